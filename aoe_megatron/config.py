@@ -1,0 +1,133 @@
+"""The AoE layer's configuration and its adapter from megatron-core's ``TransformerConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Union
+
+from aoe_megatron.ops import NORM_ORDERS, d_wide_for_parity
+from aoe_megatron.selection import selection_strategies
+
+CACHE_MODES = ("send", "recompute")
+DISPATCHERS = ("alltoall", "allgather")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AoEConfig:
+    """Autonomy-of-Experts layer settings (paper arXiv 2501.13074)."""
+
+    num_experts: int
+    """n: experts per layer."""
+    top_k: int
+    """K: experts each token continues with."""
+    d_model: int
+    """Hidden size of the transformer."""
+    d_low: int
+    """Width of each expert's low-rank cache C_i = x W_down^i (Eq. 3); must be below d_model."""
+    d_wide: Union[int, str] = "auto"
+    """Width of W_up / W_p / W_o; "auto" derives it from d_ffn by Eq. 5 (parameter parity)."""
+    d_ffn: int | None = None
+    """The traditional MoE expert width that "auto" d_wide matches (Eq. 5)."""
+    norm: str = "l2"
+    """Norm that ranks experts: "l2" (paper), "l1" or "linf" (Appendix A)."""
+    weight_mode: str = "topk_softmax"
+    """Selection strategy: "topk_softmax" (Algorithm 2) or "softmax_topk" (authors' release)."""
+    alpha_aux: float = 0.01
+    """Weight of the load-balancing loss of Eq. 6; 0 disables it."""
+    cache_mode: str = "send"
+    """"send": ship each (token, expert) pair's cache slice C_i to the expert's rank with x;
+    "recompute": ship x only and recompute x W_down^i at the expert."""
+    dispatcher: str = "alltoall"
+    """Expert-parallel token dispatcher: "alltoall" or "allgather"."""
+    expert_parallel_size: int = 1
+    """EP: ranks the experts are split over; must divide num_experts."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "d_model", "d_low", "expert_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"AoE {name} must be a positive integer, got {value!r}.")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"AoE top_k={self.top_k} exceeds num_experts={self.num_experts}: a token cannot "
+                f"continue with more experts than the layer has."
+            )
+        if self.num_experts % self.expert_parallel_size:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by expert parallel size "
+                f"{self.expert_parallel_size}: every EP rank must hold the same number of experts."
+            )
+        if self.d_low >= self.d_model:
+            raise ValueError(
+                f"AoE d_low={self.d_low} must be smaller than d_model={self.d_model}: the cache is "
+                f"a low-rank compression of the hidden state (the paper uses about d_model/3)."
+            )
+        if self.d_wide == "auto":
+            if not isinstance(self.d_ffn, int) or self.d_ffn <= 0:
+                raise ValueError(
+                    "AoE d_wide='auto' needs a positive d_ffn (the MoE expert width Eq. 5 matches)."
+                )
+        elif not isinstance(self.d_wide, int) or isinstance(self.d_wide, bool) or self.d_wide <= 0:
+            raise ValueError(f"AoE d_wide must be a positive integer or 'auto', got {self.d_wide!r}.")
+        if self.norm not in NORM_ORDERS:
+            raise ValueError(f"unknown AoE norm {self.norm!r}; choose one of {NORM_ORDERS}.")
+        if self.weight_mode not in selection_strategies():
+            raise ValueError(
+                f"unknown AoE selection strategy {self.weight_mode!r}; "
+                f"choose one of {selection_strategies()}."
+            )
+        if not self.alpha_aux >= 0:
+            raise ValueError(f"AoE alpha_aux must be >= 0, got {self.alpha_aux!r}.")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"unknown AoE cache_mode {self.cache_mode!r}; choose one of {CACHE_MODES}.")
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"unknown AoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}.")
+
+    @property
+    def resolved_d_wide(self) -> int:
+        """d_wide, with "auto" resolved by Eq. 5."""
+        if self.d_wide == "auto":
+            return d_wide_for_parity(d_model=self.d_model, d_ffn=self.d_ffn, d_low=self.d_low)
+        return self.d_wide
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.num_experts // self.expert_parallel_size
+
+
+#: AoEConfig field <- megatron TransformerConfig field. Every other AoE field is AoE-only and
+#: comes from the caller (``from_transformer_config(..., d_low=...)``).
+MEGATRON_FIELD_MAP = {
+    "num_experts": "num_moe_experts",
+    "top_k": "moe_router_topk",
+    "d_model": "hidden_size",
+    "d_ffn": "moe_ffn_hidden_size",
+    "alpha_aux": "moe_aux_loss_coeff",
+    "dispatcher": "moe_token_dispatcher_type",
+    "expert_parallel_size": "expert_model_parallel_size",
+}
+AOE_ONLY_FIELDS = ("d_low", "d_wide", "norm", "weight_mode", "cache_mode")
+
+
+def from_transformer_config(tc, **aoe_fields) -> AoEConfig:
+    """Build an AoEConfig from megatron's TransformerConfig plus the AoE-only fields.
+
+    Shared settings come from ``tc`` (see MEGATRON_FIELD_MAP); ``aoe_fields`` may override them.
+    """
+    unknown = set(aoe_fields) - {f.name for f in fields(AoEConfig)}
+    if unknown:
+        raise ValueError(f"unknown AoE settings: {sorted(unknown)}")
+    values = {ours: getattr(tc, theirs) for ours, theirs in MEGATRON_FIELD_MAP.items()}
+    if values["d_ffn"] is None:
+        values["d_ffn"] = tc.ffn_hidden_size
+    if isinstance(values["alpha_aux"], (list, tuple)):
+        values["alpha_aux"] = values["alpha_aux"][0] if values["alpha_aux"] else 0.0
+    if values["num_experts"] is None:
+        raise ValueError("the TransformerConfig has no num_moe_experts: it describes no MoE layer.")
+    values.update(aoe_fields)
+    return AoEConfig(**values)
+
+
+def with_overrides(cfg: AoEConfig, **changes) -> AoEConfig:
+    """A copy of ``cfg`` with ``changes`` applied and validated (variants are data)."""
+    return replace(cfg, **changes)

@@ -1,0 +1,173 @@
+"""Model configuration (one schema for every preset) and the GPTModel builder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from aoe_megatron.config import AoEConfig
+
+ARCHS = ("aoe", "moe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AoESettings:
+    """The AoE-only part of a model preset (shared MoE settings live on ModelConfig)."""
+
+    d_low: int = 256
+    """Low-rank cache width per expert."""
+    d_wide: Any = "auto"
+    """Wide width of W_up/W_p/W_o, or "auto" for parameter parity with the MoE expert (Eq. 5)."""
+    norm: str = "l2"
+    """Expert-ranking norm: l2, l1 or linf."""
+    weight_mode: str = "topk_softmax"
+    """Selection strategy name (see aoe_megatron.selection)."""
+    cache_mode: str = "send"
+    """"send" the cache slice with each token, or "recompute" it at the expert."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-style MoE language model: RMSNorm, RoPE, SwiGLU experts, no biases."""
+
+    arch: str = "aoe"
+    """"aoe" (Autonomy-of-Experts) or "moe" (megatron-core's traditional MoE with a router)."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    """d_ffn of a traditional MoE expert (AoE derives d_wide from it when d_wide is "auto")."""
+    num_experts: int
+    top_k: int
+    vocab_size: int = 32000
+    seq_length: int = 2048
+    """Tokens per sequence. RoPE has no parameters, so it does not change the counts."""
+    tie_embeddings: bool = True
+    """Input embedding and output layer share one matrix (what the paper's 732M total needs)."""
+    alpha_aux: float = 0.01
+    """Load-balancing loss weight (Eq. 2 for MoE, Eq. 6 for AoE); 0 disables it."""
+    dispatcher: str = "alltoall"
+    aoe: AoESettings = field(default_factory=AoESettings)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; choose one of {ARCHS}.")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "num_experts", "top_k", "vocab_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {name} must be a positive integer, got {value!r}.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}."
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}.")
+        if self.arch == "aoe":
+            self.aoe_config()  # validates the AoE settings
+
+    def aoe_config(self, expert_parallel_size: int = 1) -> AoEConfig:
+        return AoEConfig(
+            num_experts=self.num_experts, top_k=self.top_k, d_model=self.hidden_size,
+            d_ffn=self.ffn_hidden_size, alpha_aux=self.alpha_aux, dispatcher=self.dispatcher,
+            expert_parallel_size=expert_parallel_size, **asdict(self.aoe),
+        )
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        raw = dict(raw)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown model settings {sorted(unknown)}; known: {sorted(known)}")
+        aoe_raw = raw.pop("aoe", None) or {}
+        aoe_known = {f.name for f in fields(AoESettings)}
+        if set(aoe_raw) - aoe_known:
+            raise ValueError(f"unknown aoe settings {sorted(set(aoe_raw) - aoe_known)}")
+        return cls(aoe=AoESettings(**aoe_raw), **raw)
+
+    def with_overrides(self, **changes) -> "ModelConfig":
+        raw = asdict(self)
+        aoe_changes = changes.pop("aoe", {}) or {}
+        raw.update(changes)
+        raw["aoe"] = {**raw["aoe"], **aoe_changes}
+        return ModelConfig.from_dict(raw)
+
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "run" / "presets"
+
+
+def load_preset(name_or_path: str, **overrides) -> ModelConfig:
+    """A preset by name ("tiny", "732m", "4b") or YAML path, with optional overrides."""
+    import yaml
+
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ValueError(f"no preset {name_or_path!r}: not a file, and not one of {names}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    cfg = ModelConfig.from_dict(raw.get("model", raw))
+    return cfg.with_overrides(**overrides) if overrides else cfg
+
+
+def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **extra):
+    """megatron-core TransformerConfig for ``cfg``; ``extra`` passes further megatron settings."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.top_k,
+        moe_router_pre_softmax=cfg.top_k == 1,  # megatron-core requires it for top-1
+        moe_ffn_hidden_size=cfg.ffn_hidden_size,
+        moe_aux_loss_coeff=cfg.alpha_aux,
+        moe_router_load_balancing_type="aux_loss" if cfg.alpha_aux > 0 else "none",
+        moe_token_dispatcher_type=cfg.dispatcher,
+        expert_model_parallel_size=expert_parallel_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not on_gpu,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None):
+    """A megatron-core GPTModel with AoE or stock MoE layers (parallel state must be set up)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from aoe_megatron.config import from_transformer_config
+    from aoe_megatron.spec import aoe_layer_spec, moe_layer_spec
+
+    tc = tc or transformer_config(cfg)
+    if cfg.arch == "aoe":
+        aoe = from_transformer_config(tc, **asdict(cfg.aoe))
+        spec = aoe_layer_spec(aoe, use_te=use_te)
+    else:
+        spec = moe_layer_spec(cfg.num_experts, use_te=use_te)
+    return GPTModel(
+        config=tc,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+    )

@@ -1,0 +1,95 @@
+"""Total and active parameter counts of a model config, without allocating the model.
+
+Conventions (they reproduce both of the paper's pairs, 732M / 247M and 4B / 1.18B, within 1%):
+- embeddings are tied: the shared [vocab, d_model] matrix counts once in the total;
+- a token's *active* parameters are the attention and norm weights, the router (MoE), the K
+  selected experts in full, the input embedding and the output projection. The output
+  projection counts as active even when tied to the embedding, since every token multiplies by it;
+- AoE's active count, like the paper's, counts the K selected experts in full; the W_down slices
+  of the unselected experts, which every token also multiplies by, are reported separately
+  (``active_with_all_caches``).
+RoPE has no parameters, so the sequence length changes no count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+
+from aoe_megatron.model import ModelConfig, load_preset
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int
+    active_with_all_caches: int
+    per_layer: dict
+    embedding: int
+
+
+def count_parameters(cfg: ModelConfig) -> ParamCount:
+    d, e, k, f = cfg.hidden_size, cfg.num_experts, cfg.top_k, cfg.ffn_hidden_size
+    attention = 4 * d * d  # fused QKV (3 d^2, no GQA) + output projection (d^2), no biases
+    norms = 2 * d  # input RMSNorm + pre-MLP RMSNorm
+    if cfg.arch == "moe":
+        router = e * d
+        expert = 3 * d * f  # SwiGLU: gate and up [d, f], down [f, d]
+        layer_total = attention + norms + router + e * expert
+        layer_active = attention + norms + router + k * expert
+        layer_all_caches = layer_active
+        experts = {"router": router, "expert": expert}
+    else:
+        aoe = cfg.aoe_config()
+        r, w = aoe.d_low, aoe.resolved_d_wide
+        w_down = d * r
+        expert_rest = r * w + 2 * d * w  # W_up [r, w], W_p [d, w], W_o [w, d]
+        layer_total = attention + norms + e * (w_down + expert_rest)
+        layer_active = attention + norms + k * (w_down + expert_rest)
+        layer_all_caches = attention + norms + e * w_down + k * expert_rest
+        experts = {"w_down": w_down, "expert_without_w_down": expert_rest, "d_wide": w}
+    embedding = cfg.vocab_size * d
+    output_layer = 0 if cfg.tie_embeddings else embedding
+    final_norm = d
+    n = cfg.num_layers
+    return ParamCount(
+        total=n * layer_total + embedding + output_layer + final_norm,
+        active=n * layer_active + 2 * embedding + final_norm,
+        active_with_all_caches=n * layer_all_caches + 2 * embedding + final_norm,
+        per_layer={"attention": attention, "norms": norms, **experts, "layer_total": layer_total},
+        embedding=embedding,
+    )
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Total and active parameters of a model preset, computed without allocating it."
+    )
+    ap.add_argument("preset", help="preset name (tiny, 732m, 4b) or a YAML file")
+    ap.add_argument("--arch", choices=("aoe", "moe", "both"), default="both")
+    ap.add_argument("--d-low", type=int, help="override the AoE cache width")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args(argv)
+    archs = ("moe", "aoe") if args.arch == "both" else (args.arch,)
+    rows = {}
+    for arch in archs:
+        overrides = {"arch": arch}
+        if args.d_low is not None:
+            overrides["aoe"] = {"d_low": args.d_low}
+        rows[arch] = count_parameters(load_preset(args.preset, **overrides))
+    if args.json:
+        print(json.dumps({a: asdict(c) for a, c in rows.items()}, indent=2))
+        return 0
+    print(f"{'arch':<6}{'total':>12}{'active':>12}{'active+all W_down':>20}")
+    for arch, c in rows.items():
+        print(f"{arch:<6}{_fmt(c.total):>12}{_fmt(c.active):>12}{_fmt(c.active_with_all_caches):>20}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,45 @@
+"""Small helpers shared by the patch modules: replace an attribute and remember the original.
+
+Every patch goes through :func:`replace`, so :func:`revert_all` can restore megatron-core exactly
+(the tests use this to show that each patch is needed).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+import torch
+
+# (owner object, attribute name, original value) in the order they were replaced.
+_ORIGINALS: list[tuple[Any, str, Any]] = []
+_MISSING = object()
+
+
+def replace(owner: Any, name: str, new: Any) -> None:
+    """Set ``owner.name = new``, keeping the original for :func:`revert_all`."""
+    _ORIGINALS.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    setattr(owner, name, new)
+
+
+def revert_all() -> None:
+    """Undo every replacement, newest first."""
+    while _ORIGINALS:
+        owner, name, original = _ORIGINALS.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
+def module(name: str):
+    """Import and return a megatron-core module by dotted name."""
+    return importlib.import_module(name)
+
+
+def cuda_absent() -> bool:
+    """CPU patches are active only on machines without CUDA."""
+    return not torch.cuda.is_available()
+
+
+PatchFn = Callable[[], bool]

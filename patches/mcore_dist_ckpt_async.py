@@ -1,0 +1,3 @@
+"""Placeholder, filled in below."""
+def apply() -> bool:
+    return False

@@ -1,0 +1,135 @@
+"""Test helpers: spawning gloo ranks, building AoE layers, the float64 reference of Algorithm 2."""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from aoe_megatron.distributed import free_port
+
+
+def _worker(rank, world_size, port, expert_parallel_size, fn, args, errors):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    from aoe_megatron.distributed import init_megatron, shutdown
+
+    try:
+        init_megatron(rank=rank, world_size=world_size, expert_parallel_size=expert_parallel_size)
+        fn(rank, world_size, *args)
+    except BaseException:
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        shutdown()
+
+
+def run_distributed(fn, world_size: int, *args, expert_parallel_size: int | None = None,
+                    timeout: float = 300.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure.
+
+    ``fn`` must be importable (a module-level function). Megatron's parallel state is set up with
+    the given expert-parallel size (default: world_size).
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    ep = world_size if expert_parallel_size is None else expert_parallel_size
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, ep, fn, args, errors), daemon=False)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    failures = []
+    while not errors.empty():
+        failures.append(errors.get())
+    if failures:
+        rank, tb = sorted(failures)[0]
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+    if alive:
+        raise AssertionError(f"{len(alive)} of {world_size} ranks still running after {timeout}s")
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise AssertionError(f"ranks exited with codes {bad}")
+
+
+def silu64(x):
+    return F.silu(x)
+
+
+def norm_of(c, order):
+    if order == "l2":
+        return torch.sqrt((c * c).sum())
+    if order == "l1":
+        return c.abs().sum()
+    return c.abs().max()
+
+
+def reference_aoe(x_TD, w_down_DER, w_up, w_p, w_o, *, top_k, norm="l2",
+                  weight_mode="topk_softmax", alpha_aux=0.0):
+    """Algorithm 2 written plainly, one token at a time, in float64.
+
+    Returns (output [T, D], L_aux). Weights are global: w_up [E, R, W], w_p [E, D, W], w_o [E, W, D].
+    """
+    num_experts, d_low = w_up.shape[0], w_up.shape[1]
+    num_tokens = x_TD.shape[0]
+    outputs, counts, prob_sums = [], [0.0] * num_experts, [0.0] * num_experts
+    for t in range(num_tokens):
+        x = x_TD[t]
+        cache = [x @ w_down_DER[:, i * d_low : (i + 1) * d_low] for i in range(num_experts)]
+        p = torch.stack([norm_of(c, norm) for c in cache])
+        chosen = torch.topk(p, top_k).indices.tolist()
+        p_all = torch.softmax(p, dim=0)
+        if weight_mode == "topk_softmax":
+            weights = torch.softmax(p[chosen], dim=0)
+        else:
+            weights = p_all[chosen]
+        h = torch.zeros_like(x)
+        for j, i in enumerate(chosen):
+            h = h + weights[j] * ((silu64(cache[i] @ w_up[i]) * (x @ w_p[i])) @ w_o[i])
+            counts[i] += 1.0
+        for i in range(num_experts):
+            prob_sums[i] = prob_sums[i] + p_all[i]
+        outputs.append(h)
+    aux = sum((counts[i] / num_tokens) * (prob_sums[i] / num_tokens) for i in range(num_experts))
+    return torch.stack(outputs), alpha_aux * num_experts * aux
+
+
+def make_transformer_config(*, d_model=16, d_ffn=32, num_experts=4, top_k=2, ep=1,
+                            dispatcher="alltoall", alpha_aux=0.0, dtype=torch.float32,
+                            num_layers=2):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=num_layers, hidden_size=d_model, num_attention_heads=4, ffn_hidden_size=d_ffn,
+        num_moe_experts=num_experts, moe_router_topk=top_k, expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=alpha_aux,
+        use_cpu_initialization=True, params_dtype=dtype, add_bias_linear=False,
+        moe_router_pre_softmax=top_k == 1, moe_ffn_hidden_size=d_ffn,
+        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+    )
+
+
+def build_aoe_layer(tc, *, pg_collection=None, layer_number=1, **aoe_fields):
+    """An AoEMoELayer from a TransformerConfig plus AoE-only fields."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from aoe_megatron.config import from_transformer_config
+    from aoe_megatron.spec import aoe_mlp_spec
+
+    aoe = from_transformer_config(tc, **aoe_fields)
+    layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=layer_number,
+                         pg_collection=pg_collection)
+    return layer.to(tc.params_dtype)
