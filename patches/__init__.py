@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 
 from patches import (
-    mcore_dist_ckpt_async,
+    mcore_dist_ckpt_filesystem_async,
+    mcore_dist_ckpt_state_dict_saver,
     mcore_moe_router,
     mcore_moe_token_dispatcher,
     mcore_moe_utils,
@@ -42,7 +43,8 @@ ALL_PATCHES = (
     mcore_moe_token_dispatcher,
     mcore_rotary_pos_embedding,
     mcore_transformer_utils,
-    mcore_dist_ckpt_async,
+    mcore_dist_ckpt_filesystem_async,
+    mcore_dist_ckpt_state_dict_saver,
 )
 
 _applied: list[str] | None = None

@@ -56,8 +56,10 @@ def run_distributed(fn, world_size: int, *args, expert_parallel_size: int | None
     while not errors.empty():
         failures.append(errors.get())
     if failures:
-        rank, tb = sorted(failures)[0]
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+        # NOTE: report every rank: the first to fail is often not rank 0, whose error is then
+        # only "connection closed by peer".
+        report = "\n".join(f"--- rank {r} of {world_size}:\n{tb}" for r, tb in sorted(failures))
+        raise AssertionError(f"{len(failures)} rank(s) failed:\n{report}")
     if alive:
         raise AssertionError(f"{len(alive)} of {world_size} ranks still running after {timeout}s")
     bad = [p.exitcode for p in procs if p.exitcode != 0]

@@ -1,3 +1,0 @@
-"""Placeholder, filled in below."""
-def apply() -> bool:
-    return False
