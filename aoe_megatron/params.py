@@ -81,7 +81,10 @@ def main(argv=None) -> int:
         overrides = {"arch": arch}
         if args.d_low is not None:
             overrides["aoe"] = {"d_low": args.d_low}
-        rows[arch] = count_parameters(load_preset(args.preset, **overrides))
+        try:
+            rows[arch] = count_parameters(load_preset(args.preset, **overrides))
+        except ValueError as err:
+            ap.error(str(err))
     if args.json:
         print(json.dumps({a: asdict(c) for a, c in rows.items()}, indent=2))
         return 0

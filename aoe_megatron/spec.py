@@ -12,18 +12,16 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from aoe_megatron.compat import have_transformer_engine
 from aoe_megatron.config import AoEConfig
 from aoe_megatron.experts import AoEExperts
 from aoe_megatron.layer import AoEMoELayer
 from aoe_megatron.router import AoERouter
 
 
-def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+def use_transformer_engine() -> bool:
+    """TE's fused attention and norms, when TE is installed and CUDA is present."""
+    return have_transformer_engine() and torch.cuda.is_available()
 
 
 def moe_layer_spec(num_experts: int, *, use_te: bool | None = None) -> ModuleSpec:
@@ -31,7 +29,7 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None) -> ModuleSpe
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
-        use_te = have_transformer_engine()
+        use_te = use_transformer_engine()
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=True

@@ -34,7 +34,8 @@ def _save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrappe
 def apply() -> bool:
     if not cuda_absent():
         return False
+    # NOTE: import the by-name importer first, so it binds (and we record) upstream's function.
+    torch_strategy = module("megatron.core.dist_checkpointing.strategies.torch")
     replace(module(TARGET), "save_state_dict_async_finalize", _save_state_dict_async_finalize)
-    replace(module("megatron.core.dist_checkpointing.strategies.torch"),
-            "save_state_dict_async_finalize", _save_state_dict_async_finalize)
+    replace(torch_strategy, "save_state_dict_async_finalize", _save_state_dict_async_finalize)
     return True

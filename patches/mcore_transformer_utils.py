@@ -25,7 +25,8 @@ def _get_default_causal_mask(sq: int) -> torch.Tensor:
 def apply() -> bool:
     if not cuda_absent():
         return False
+    # NOTE: import the by-name importer first, so it binds (and we record) upstream's function.
+    fused_softmax = module("megatron.core.fusions.fused_softmax")
     replace(module(TARGET), "get_default_causal_mask", _get_default_causal_mask)
-    replace(module("megatron.core.fusions.fused_softmax"), "get_default_causal_mask",
-            _get_default_causal_mask)
+    replace(fused_softmax, "get_default_causal_mask", _get_default_causal_mask)
     return True

@@ -1,0 +1,93 @@
+"""AoEConfig validation, the adapter from megatron's TransformerConfig, and model presets."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from aoe_megatron.config import (
+    AOE_ONLY_FIELDS,
+    MEGATRON_FIELD_MAP,
+    AoEConfig,
+    from_transformer_config,
+    with_overrides,
+)
+from aoe_megatron.model import ModelConfig, load_preset
+from tests.helpers import make_transformer_config
+
+BASE = dict(num_experts=8, top_k=2, d_model=64, d_low=16, d_ffn=128)
+
+
+@pytest.mark.parametrize(
+    "changes,phrase",
+    [
+        ({"top_k": 9}, "exceeds num_experts"),
+        ({"expert_parallel_size": 3}, "not divisible by expert parallel size"),
+        ({"d_low": 64}, "must be smaller than d_model"),
+        ({"d_low": 80}, "must be smaller than d_model"),
+        ({"d_low": 0}, "positive integer"),
+        ({"num_experts": -1}, "positive integer"),
+        ({"top_k": 0}, "positive integer"),
+        ({"d_model": 0}, "positive integer"),
+        ({"d_wide": 0}, "positive integer or 'auto'"),
+        ({"d_wide": "wide"}, "positive integer or 'auto'"),
+        ({"d_ffn": None}, "needs a positive d_ffn"),
+        ({"weight_mode": "top_p"}, "unknown AoE selection strategy"),
+        ({"norm": "l3"}, "unknown AoE norm"),
+        ({"cache_mode": "both"}, "unknown AoE cache_mode"),
+        ({"dispatcher": "flex"}, "unknown AoE dispatcher"),
+        ({"alpha_aux": -0.1}, "alpha_aux must be >= 0"),
+    ],
+)
+def test_invalid_settings_raise_clear_errors(changes, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        AoEConfig(**{**BASE, **changes})
+
+
+def test_d_wide_auto_follows_eq5():
+    assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256).resolved_d_wide == 3840
+    assert AoEConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400).resolved_d_wide == 6470
+    assert AoEConfig(**BASE, d_wide=100).resolved_d_wide == 100
+
+
+def test_adapter_maps_every_field():
+    tc = make_transformer_config(d_model=48, d_ffn=96, num_experts=6, top_k=3, ep=2,
+                                 dispatcher="allgather", alpha_aux=0.02)
+    aoe = from_transformer_config(tc, d_low=12, d_wide=200, norm="l1",
+                                  weight_mode="softmax_topk", cache_mode="recompute")
+    assert (aoe.num_experts, aoe.top_k, aoe.d_model, aoe.d_ffn) == (6, 3, 48, 96)
+    assert (aoe.alpha_aux, aoe.dispatcher, aoe.expert_parallel_size) == (0.02, "allgather", 2)
+    assert (aoe.d_low, aoe.d_wide, aoe.norm) == (12, 200, "l1")
+    assert (aoe.weight_mode, aoe.cache_mode) == ("softmax_topk", "recompute")
+    # Every AoEConfig field is either mapped from megatron or AoE-only: none is forgotten.
+    assert set(MEGATRON_FIELD_MAP) | set(AOE_ONLY_FIELDS) == {f.name for f in fields(AoEConfig)}
+    for ours, theirs in MEGATRON_FIELD_MAP.items():
+        assert getattr(aoe, ours) == getattr(tc, theirs), ours
+
+
+def test_adapter_refuses_unknown_and_invalid():
+    tc = make_transformer_config(num_experts=4, top_k=2, ep=1)
+    with pytest.raises(ValueError, match="unknown AoE settings"):
+        from_transformer_config(tc, d_low=4, dlow=4)
+    with pytest.raises(ValueError, match="must be smaller than d_model"):
+        from_transformer_config(tc, d_low=tc.hidden_size)
+
+
+def test_overrides_are_validated():
+    cfg = AoEConfig(**BASE)
+    assert with_overrides(cfg, norm="linf").norm == "linf"
+    with pytest.raises(ValueError):
+        with_overrides(cfg, top_k=100)
+
+
+def test_presets_load_and_validate():
+    for name in ("tiny", "732m", "4b"):
+        for arch in ("aoe", "moe"):
+            assert load_preset(name, arch=arch).arch == arch
+    with pytest.raises(ValueError, match="no preset"):
+        load_preset("13b")
+    with pytest.raises(ValueError, match="unknown model settings"):
+        ModelConfig.from_dict({"num_layer": 2})
+    with pytest.raises(ValueError, match="must be smaller than d_model"):
+        load_preset("tiny", aoe={"d_low": 64})

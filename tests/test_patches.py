@@ -1,0 +1,226 @@
+"""Each patch in patches/ is needed (upstream fails on a CPU-only machine) and works.
+
+Each test runs the upstream code path with only that patch removed (it must fail), then with all
+patches applied (it must give the right answer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import patches
+from patches import (
+    ALL_PATCHES,
+    mcore_dist_ckpt_filesystem_async,
+    mcore_dist_ckpt_state_dict_saver,
+    mcore_moe_router,
+    mcore_moe_token_dispatcher,
+    mcore_moe_utils,
+    mcore_rotary_pos_embedding,
+    mcore_tensor_parallel_mappings,
+    mcore_tensor_parallel_random,
+    mcore_transformer_utils,
+    mcore_utils,
+)
+from tests.helpers import make_transformer_config, run_distributed
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches apply without CUDA only")
+CUDA_MISSING = (AssertionError, RuntimeError)  # "Torch not compiled with CUDA enabled"
+
+
+@contextlib.contextmanager
+def without(patch):
+    """All patches but ``patch`` applied; everything re-applied afterwards."""
+    patches.revert_patches()
+    patches.check_mcore_version()
+    for p in ALL_PATCHES:
+        if p is not patch:
+            p.apply()
+    try:
+        yield
+    finally:
+        patches.revert_patches()
+        patches.apply_patches()
+
+
+def test_every_patch_module_is_registered_and_documented():
+    import pkgutil
+
+    names = {m.name for m in pkgutil.iter_modules(patches.__path__) if m.name.startswith("mcore_")}
+    assert names == {p.__name__.split(".")[-1] for p in ALL_PATCHES}
+    for p in ALL_PATCHES:
+        assert "0.16.1" in p.__doc__ and "Why:" in p.__doc__ and "What:" in p.__doc__, p.__name__
+        __import__(p.TARGET)  # the upstream file it names exists
+
+
+def test_refuses_other_megatron_versions(monkeypatch):
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
+    with pytest.raises(RuntimeError, match="written for megatron-core 0.16.1"):
+        patches.check_mcore_version()
+
+
+def test_apply_is_idempotent(megatron_world):
+    assert patches.apply_patches() == patches.apply_patches()
+
+
+@cpu_only
+def test_global_memory_buffer(megatron_world):
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    with without(mcore_utils), pytest.raises(CUDA_MISSING):
+        GlobalMemoryBuffer().get_tensor((2, 3), torch.float32, "t")
+    buf = GlobalMemoryBuffer()
+    t = buf.get_tensor((2, 3), torch.float32, "t")
+    assert t.shape == (2, 3) and t.device.type == "cpu"
+    assert buf.get_tensor((3,), torch.float32, "t").data_ptr() == t.data_ptr()  # reused
+
+
+@cpu_only
+def test_rng_tracker(megatron_world):
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    with without(mcore_tensor_parallel_random), pytest.raises(CUDA_MISSING):
+        CudaRNGStatesTracker().add("x", 11)
+    draws = []
+    for _ in range(2):
+        tracker = CudaRNGStatesTracker()
+        tracker.add("x", 11)
+        torch.manual_seed(5)
+        with tracker.fork("x"):
+            draws.append(torch.randn(4))
+        after = torch.randn(2)
+        torch.manual_seed(5)
+        assert_close(after, torch.randn(2), msg="fork must restore the outer RNG state")
+    assert_close(draws[0], draws[1])
+    torch.manual_seed(11)
+    assert_close(draws[0], torch.randn(4), msg="the forked state is seeded with the tracker seed")
+
+
+@cpu_only
+def test_te_general_gemm_missing(megatron_world):
+    from megatron.core.transformer.moe.moe_utils import router_gating_linear
+
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    with without(mcore_moe_utils), pytest.raises(NameError, match="te_general_gemm"):
+        router_gating_linear(x, w, None, torch.float32)
+    assert_close(router_gating_linear(x, w, None, torch.float32), x @ w.t())
+
+
+@cpu_only
+def test_router_gating(megatron_world):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    tc = make_transformer_config(d_model=8, num_experts=4, top_k=2)
+    router = TopKRouter(config=tc, pg_collection=get_default_pg_collection())
+    x = torch.randn(3, 8)
+    with without(mcore_moe_router), pytest.raises(CUDA_MISSING):
+        router.gating(x)
+    assert_close(router.gating(x), x @ router.weight.t())
+
+
+@cpu_only
+def test_alltoall_dispatcher(megatron_world):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    tc = make_transformer_config(d_model=8, num_experts=4, top_k=1)
+    pgc = get_default_pg_collection()
+    with without(mcore_moe_token_dispatcher), pytest.raises(CUDA_MISSING):
+        MoEAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config=tc, pg_collection=pgc)
+    disp = MoEAlltoAllTokenDispatcher(4, [0, 1, 2, 3], config=tc, pg_collection=pgc)
+    x = torch.randn(6, 1, 8)
+    routing = torch.zeros(6, 4, dtype=torch.bool)
+    routing[torch.arange(6), torch.tensor([2, 0, 3, 2, 1, 0])] = True
+    probs = routing.float()
+    h, p = disp.dispatch_preprocess(x, routing, probs)
+    h, p = disp.token_dispatch(h, p)
+    h, counts, p = disp.dispatch_postprocess(h, p)
+    assert counts.tolist() == [2, 1, 2, 1]
+    out = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(h)))
+    assert_close(out, x, msg="dispatch then combine is the identity at top-1")
+
+
+@cpu_only
+def test_rotary_embedding(megatron_world):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
+    with without(mcore_rotary_pos_embedding), pytest.raises(CUDA_MISSING):
+        rope.get_emb(5)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    freqs = torch.outer(torch.arange(5, dtype=torch.float32), inv_freq)
+    assert_close(rope.get_emb(5)[:, 0, 0], torch.cat([freqs, freqs], dim=-1))
+
+
+@cpu_only
+def test_default_causal_mask(megatron_world):
+    from megatron.core.fusions import fused_softmax
+
+    with without(mcore_transformer_utils), pytest.raises(CUDA_MISSING):
+        fused_softmax.get_default_causal_mask(3)
+    expected = torch.tensor([[False, True, True], [False, False, True], [False, False, False]])
+    assert torch.equal(fused_softmax.get_default_causal_mask(3), expected)
+
+
+def _save_tiny(path):
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    path.mkdir(parents=True, exist_ok=True)
+    t = torch.arange(6.0).reshape(2, 3)
+    dist_checkpointing.save({"t": ShardedTensor.from_rank_offsets("t", t)}, str(path))
+    loaded = dist_checkpointing.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(2, 3))},
+                                     str(path))
+    assert_close(loaded["t"], t)
+
+
+@cpu_only
+@pytest.mark.parametrize("patch", [mcore_dist_ckpt_filesystem_async, mcore_dist_ckpt_state_dict_saver])
+def test_dist_checkpoint_save(megatron_world, tmp_path, patch):
+    with without(patch), pytest.raises(CUDA_MISSING):
+        _save_tiny(tmp_path / "unpatched")
+    _save_tiny(tmp_path / "patched")
+
+
+def _mappings_on_two_ranks(rank, world_size):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import mappings
+
+    group = parallel_state.get_expert_model_parallel_group()
+    sizes = [2, 3]
+    x = torch.full((sizes[rank], 3), float(rank + 1))
+    with without(mcore_tensor_parallel_mappings):
+        for call in (
+            lambda: mappings.gather_from_sequence_parallel_region(x, group=group,
+                                                                  output_split_sizes=sizes),
+            lambda: mappings.all_to_all(group, x, [1, 1] if rank == 0 else [2, 1],
+                                        [1, 1] if rank == 0 else [1, 2]),
+        ):
+            with pytest.raises(CUDA_MISSING):
+                call()
+    gathered = mappings.gather_from_sequence_parallel_region(x, group=group, output_split_sizes=sizes)
+    assert_close(gathered, torch.cat([torch.full((2, 3), 1.0), torch.full((3, 3), 2.0)]))
+    even = mappings.gather_from_sequence_parallel_region(torch.full((2, 3), float(rank)), group=group)
+    assert_close(even, torch.cat([torch.zeros(2, 3), torch.ones(2, 3)]))
+    y = torch.arange(8.0).reshape(4, 2) * (rank + 1)
+    scattered = mappings.reduce_scatter_to_sequence_parallel_region(y, group=group)
+    assert_close(scattered, (torch.arange(8.0).reshape(4, 2) * 3)[2 * rank : 2 * rank + 2])
+    # Uneven all-to-all: rank 0 sends 1 row to each; rank 1 sends 2 rows to rank 0, 1 to itself.
+    send = [1, 1] if rank == 0 else [2, 1]
+    recv = [1, 2] if rank == 0 else [1, 1]
+    rows = torch.arange(float(sum(send))).unsqueeze(1) + 10 * rank
+    got = mappings.all_to_all(group, rows, recv, send)
+    expected = torch.tensor([[0.0], [10.0], [11.0]]) if rank == 0 else torch.tensor([[1.0], [12.0]])
+    assert_close(got, expected)
+
+
+@cpu_only
+def test_tensor_parallel_mappings_on_gloo():
+    run_distributed(_mappings_on_two_ranks, 2)
