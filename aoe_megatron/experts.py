@@ -94,7 +94,7 @@ class AoEExperts(MegatronModule):
                     w_up_RW=self.w_up[local], w_p_DW=self.w_p[local], w_o_WD=self.w_o[local],
                 )
             )
-        out_ND = torch.cat(outputs, dim=0) if outputs else permuted_input[:, :d] * 0
+        out_ND = torch.cat(outputs, dim=0)
         return (out_ND * permuted_probs.unsqueeze(-1)).to(out_ND.dtype), None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

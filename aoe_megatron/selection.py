@@ -1,7 +1,9 @@
 """Expert-selection strategies: from per-expert norms to weights and a routing map.
 
-A strategy is a pure function registered by name; configurations name it as data. Later
-strategies (top-P, expert choice, random and frozen controls) register here the same way.
+A strategy is a pure function ``fn(norms_TE, *, top_k, **options) -> Selection`` registered by
+name; configurations name it as data. Later strategies (top-P, expert choice, random and frozen
+controls) register here the same way and take their own keyword options (a threshold P, a
+capacity, a seed).
 
 Shape suffixes: T tokens, E experts, K top-k.
 """
@@ -81,6 +83,6 @@ def softmax_then_topk(norms_TE: torch.Tensor, *, top_k: int) -> Selection:
     return Selection(probs_TE, mask_TE, scores_TE)
 
 
-def select_experts(norms_TE: torch.Tensor, *, strategy: str, top_k: int) -> Selection:
-    """Run the named strategy on per-expert norms."""
-    return get_selection(strategy)(norms_TE, top_k=top_k)
+def select_experts(norms_TE: torch.Tensor, *, strategy: str, top_k: int, **options) -> Selection:
+    """Run the named strategy on per-expert norms; ``options`` go to the strategy."""
+    return get_selection(strategy)(norms_TE, top_k=top_k, **options)

@@ -85,3 +85,61 @@ def test_save_ep2_load_ep1(megatron_world, tmp_path):
 def test_save_ep1_load_ep2(megatron_world, tmp_path):
     _save(_mark(_layer(1, seed=7)), tmp_path / "ckpt")
     run_distributed(_load_at_ep, 2, tmp_path / "ckpt")
+
+
+def _gpt_experts(model):
+    """{(layer number, weight name, global expert): tensor} for this rank's AoE experts."""
+    from aoe_megatron.layer import AoEMoELayer
+
+    out = {}
+    for module in model.modules():
+        if isinstance(module, AoEMoELayer):
+            for name in NAMES:
+                param = getattr(module.experts, name)
+                for local, g in enumerate(module.experts.local_expert_indices):
+                    out[(module.layer_number, name, g)] = param[local].detach().clone()
+    return out
+
+
+def _gpt_at_ep(ep, seed):
+    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+
+    cfg = load_preset("tiny", arch="aoe")
+    torch.manual_seed(seed)
+    return build_gpt_model(cfg, transformer_config(cfg, expert_parallel_size=ep))
+
+
+def _save_gpt_at_ep(rank, world_size, path):
+    from megatron.core import dist_checkpointing
+
+    model = _gpt_at_ep(world_size, seed=7)
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(path))
+    dense = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" not in n}
+    torch.save({"experts": _gpt_experts(model), "dense": dense}, path.parent / f"expected{rank}.pt")
+
+
+def test_gpt_model_saved_at_ep2_loads_at_ep1(megatron_world, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    run_distributed(_save_gpt_at_ep, 2, tmp_path / "ckpt")
+    model = _gpt_at_ep(1, seed=99)
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(tmp_path / "ckpt"))
+    result = model.load_state_dict(state, strict=False)
+    assert not [k for k in result.missing_keys if not k.endswith("_extra_state")], result
+    assert not result.unexpected_keys, result
+    loaded = _gpt_experts(model)
+    expected = {}
+    for rank in range(2):
+        saved = torch.load(tmp_path / f"expected{rank}.pt")
+        expected.update(saved["experts"])
+        if rank == 0:
+            dense = saved["dense"]
+    assert set(loaded) == set(expected) and len(loaded) == 2 * 4 * len(NAMES)
+    for key, value in expected.items():
+        assert_close(loaded[key], value, rtol=0, atol=0, msg=f"expert weight {key}")
+    params = dict(model.named_parameters())
+    for name, value in dense.items():
+        assert_close(params[name], value, rtol=0, atol=0, msg=name)

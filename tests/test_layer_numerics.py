@@ -121,3 +121,41 @@ def test_one_expert_is_a_dense_ffn_with_factorized_gate(seeded):
     w_gate = layer.router.weight @ layer.experts.w_up[0]  # W_g = W_down W_up
     dense = (F.silu(x @ w_gate) * (x @ layer.experts.w_p[0])) @ layer.experts.w_o[0]
     assert_close(out, dense, rtol=1e-10, atol=1e-10)
+
+
+def test_selective_recompute_of_the_moe_layer_changes_nothing(seeded):
+    runs = []
+    for recompute in (False, True):
+        torch.manual_seed(3)
+        tc = make_transformer_config(d_model=D, d_ffn=F_FFN, num_experts=E, top_k=K,
+                                     alpha_aux=0.01)
+        if recompute:
+            tc.recompute_granularity, tc.recompute_modules = "selective", ["moe"]
+        layer = build_aoe_layer(tc, d_low=R, d_wide=W)
+        assert layer.moe_layer_recompute == recompute
+        gen = torch.Generator().manual_seed(4)
+        x, g = torch.randn(4, 2, D, generator=gen), torch.randn(4, 2, D, generator=gen)
+        runs.append(_run_layer(layer, x, g))
+    (out0, aux0, gx0, grads0), (out1, aux1, gx1, grads1) = runs
+    assert_close(out1, out0)
+    assert_close(aux1, aux0)
+    assert_close(gx1, gx0)
+    for name in grads0:
+        assert_close(grads1[name], grads0[name], msg=name)
+
+
+def test_bf16_layer_tracks_float64_reference(seeded):
+    tc = make_transformer_config(d_model=D, d_ffn=F_FFN, num_experts=E, top_k=K,
+                                 dtype=torch.bfloat16)
+    layer = build_aoe_layer(tc, d_low=R, d_wide=W)
+    x = torch.randn(8, 2, D).to(torch.bfloat16)
+    out, _ = layer(x)
+    assert out.dtype == torch.bfloat16
+    ref, _ = reference_aoe(
+        x.reshape(-1, D).double(), layer.router.weight.double(), layer.experts.w_up.double(),
+        layer.experts.w_p.double(), layer.experts.w_o.double(), top_k=K,
+    )
+    # Tokens whose top-2 norms are within bf16 rounding may pick other experts: compare the rest.
+    err = (out.reshape(-1, D).double() - ref).abs().max(dim=-1).values
+    scale = ref.abs().max()
+    assert (err < 0.02 * scale).float().mean() >= 0.9, err / scale
