@@ -22,6 +22,17 @@ def replace(owner: Any, name: str, new: Any) -> None:
     setattr(owner, name, new)
 
 
+def replace_bound(name: str, new: Any, *module_names: str) -> None:
+    """Replace a function in its defining module and in modules that imported it by name.
+
+    NOTE: every module is imported *before* any replacement, so a by-name importer binds (and we
+    record as the original) upstream's function, never ours.
+    """
+    owners = [module(m) for m in module_names]
+    for owner in owners:
+        replace(owner, name, new)
+
+
 def revert_all() -> None:
     """Undo every replacement, newest first."""
     while _ORIGINALS:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from patches._patching import cuda_absent, module, replace
+from patches._patching import cuda_absent, module, replace_bound
 
 TARGET = "megatron.core.dist_checkpointing.strategies.state_dict_saver"
 
@@ -34,8 +34,6 @@ def _save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrappe
 def apply() -> bool:
     if not cuda_absent():
         return False
-    # NOTE: import the by-name importer first, so it binds (and we record) upstream's function.
-    torch_strategy = module("megatron.core.dist_checkpointing.strategies.torch")
-    replace(module(TARGET), "save_state_dict_async_finalize", _save_state_dict_async_finalize)
-    replace(torch_strategy, "save_state_dict_async_finalize", _save_state_dict_async_finalize)
+    replace_bound("save_state_dict_async_finalize", _save_state_dict_async_finalize,
+                  TARGET, "megatron.core.dist_checkpointing.strategies.torch")
     return True

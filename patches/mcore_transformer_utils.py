@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from patches._patching import cuda_absent, module, replace
+from patches._patching import cuda_absent, replace_bound
 
 TARGET = "megatron.core.transformer.utils"
 
@@ -25,8 +25,6 @@ def _get_default_causal_mask(sq: int) -> torch.Tensor:
 def apply() -> bool:
     if not cuda_absent():
         return False
-    # NOTE: import the by-name importer first, so it binds (and we record) upstream's function.
-    fused_softmax = module("megatron.core.fusions.fused_softmax")
-    replace(module(TARGET), "get_default_causal_mask", _get_default_causal_mask)
-    replace(fused_softmax, "get_default_causal_mask", _get_default_causal_mask)
+    replace_bound("get_default_causal_mask", _get_default_causal_mask,
+                  TARGET, "megatron.core.fusions.fused_softmax")
     return True
