@@ -1,0 +1,1 @@
+"""Corpus to training tokens: tokenizer, JSONL reading, preprocessing, blending, offline assets."""

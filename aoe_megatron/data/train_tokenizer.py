@@ -1,0 +1,75 @@
+"""Train a Llama-style sentencepiece BPE: byte fallback, split digits, identity normalisation,
+unk/bos/eos = 0/1/2 and the 256 byte pieces right after them (ids 3-258), no pad id."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Iterator
+
+LLAMA_OPTIONS = dict(
+    model_type="bpe",
+    byte_fallback=True,
+    split_digits=True,
+    normalization_rule_name="identity",
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=True,
+    allow_whitespace_only_pieces=True,
+    unk_id=0,
+    bos_id=1,
+    eos_id=2,
+    pad_id=-1,
+    character_coverage=0.99995,
+    max_sentence_length=1 << 16,
+    split_by_unicode_script=True,
+    split_by_number=True,
+    split_by_whitespace=True,
+    treat_whitespace_as_suffix=False,
+    minloglevel=2,
+)
+
+
+def iter_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
+    """Lines of .txt files, or the ``json_key`` field of .jsonl/.gz/.zst records (others skipped)."""
+    from aoe_megatron.data.reader import SourceFile
+
+    for path in paths:
+        if path.endswith(".txt"):
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                yield from (line.rstrip("\n") for line in fh if line.strip())
+            continue
+        for raw in SourceFile(path).lines():
+            try:
+                value = json.loads(raw).get(json_key)
+            except (ValueError, AttributeError, UnicodeDecodeError):
+                continue
+            if isinstance(value, str) and value.strip():
+                yield from (line for line in value.split("\n") if line.strip())
+
+
+def train_tokenizer(inputs, output_prefix: str, *, vocab_size: int = 32000, json_key: str = "text",
+                    input_sentence_size: int = 2_000_000, num_threads: int | None = None) -> Path:
+    """Train and write ``{output_prefix}.model`` / ``.vocab``; returns the model path."""
+    import sentencepiece as spm
+
+    if vocab_size < 259 + 8:
+        raise ValueError(f"vocab_size={vocab_size} is too small: 3 special + 256 byte pieces + merges")
+    Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", encoding="utf-8", delete=False) as tmp:
+        lines = 0
+        for line in iter_texts(inputs, json_key):
+            tmp.write(line.replace("\r", " ") + "\n")
+            lines += 1
+    try:
+        if lines == 0:
+            raise ValueError(f"no text found in {list(inputs)}")
+        spm.SentencePieceTrainer.train(
+            input=tmp.name, model_prefix=str(output_prefix), vocab_size=vocab_size,
+            input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
+            num_threads=num_threads or os.cpu_count() or 1, **LLAMA_OPTIONS,
+        )
+    finally:
+        os.unlink(tmp.name)
+    return Path(f"{output_prefix}.model")
