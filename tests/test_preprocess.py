@@ -216,3 +216,20 @@ def test_cli_reports_errors_cleanly(tmp_path):
         capture_output=True, text=True, cwd=ROOT,
     )
     assert out.returncode == 1 and "matches no file" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_several_json_keys_give_aligned_outputs(tmp_path):
+    src = tmp_path / "two.jsonl"
+    rows = [{"text": "body one", "title": "first"}, {"text": "body two", "title": "second"},
+            {"text": "no title here"}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = PreprocessConfig(inputs=(str(src),), output_prefix=str(tmp_path / "k"),
+                           json_keys=("text", "title"), append_eod=True, workers=0, log_interval=1e9)
+    results = preprocess(cfg)
+    tok = Tokenizer()
+    by_key = {m["json_key"]: (p, m) for p, m in results.items()}
+    assert set(by_key) == {"text", "title"}
+    for key, expected in (("text", ["body one", "body two"]), ("title", ["first", "second"])):
+        prefix, manifest = by_key[key]
+        assert [tok.decode(d[:-1]) for d in read_docs(prefix)] == expected
+        assert manifest["documents"] == 2 and manifest["rejected"]["missing_field"] == 1
