@@ -163,7 +163,7 @@ def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None)
         spec = aoe_layer_spec(aoe, use_te=use_te)
     else:
         spec = moe_layer_spec(cfg.num_experts, use_te=use_te)
-    return GPTModel(
+    model = GPTModel(
         config=tc,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
@@ -171,3 +171,4 @@ def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None)
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
     )
+    return model

@@ -6,15 +6,19 @@ TransformerEngine's fused attention and norms are used when TE and CUDA are both
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
+from megatron.core import utils as mcore_utils
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from aoe_megatron.compat import have_transformer_engine
 from aoe_megatron.config import AoEConfig
 from aoe_megatron.experts import AoEExperts
+from aoe_megatron.init import draw_module_seed, expert_normal_
 from aoe_megatron.layer import AoEMoELayer
 from aoe_megatron.router import AoERouter
 
@@ -22,6 +26,31 @@ from aoe_megatron.router import AoERouter
 def use_transformer_engine() -> bool:
     """TE's fused attention and norms, when TE is installed and CUDA is present."""
     return have_transformer_engine() and torch.cuda.is_available()
+
+
+class EPInvariantSequentialMLP(SequentialMLP):
+    """megatron-core's SequentialMLP experts, initialised per *global* expert.
+
+    NOTE: with ``use_cpu_initialization`` megatron-core 0.16.1 gives every EP rank the same local
+    experts (global expert 0 == expert 2 at EP=2), and the RNG it consumes grows with the number
+    of local experts, so every later layer's weights depend on EP. Here the experts are built with
+    the global RNG forked (untouched afterwards but for one seed drawn per layer), then each
+    expert's weights come from a generator seeded by (that seed, global expert), as AoE's do.
+    The baseline therefore starts with distinct experts, identical at every EP size.
+    """
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        seed = draw_module_seed()
+        with torch.random.fork_rng(devices=[]):
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        ep_rank = mcore_utils.get_pg_rank(self.ep_group)
+        std_out = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+        for local, expert in enumerate(self.local_experts):
+            g = ep_rank * num_local_experts + local
+            expert_normal_(expert.linear_fc1.weight, module_seed=seed, global_expert=g, slot=1,
+                           std=config.init_method_std)
+            expert_normal_(expert.linear_fc2.weight, module_seed=seed, global_expert=g, slot=2,
+                           std=std_out)
 
 
 def moe_layer_spec(num_experts: int, *, use_te: bool | None = None) -> ModuleSpec:
@@ -34,9 +63,13 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None) -> ModuleSpe
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=True
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
     )
+    experts = spec.submodules.mlp.submodules.experts
+    assert experts.module is SequentialMLP, experts
+    experts.module = EPInvariantSequentialMLP
+    return spec
 
 
 def aoe_mlp_spec(aoe: AoEConfig) -> ModuleSpec:

@@ -16,6 +16,8 @@ from aoe_megatron.distributed import free_port
 def _worker(rank, world_size, port, expert_parallel_size, fn, args, errors):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
+    # As torchrun sets them (DeepSpeed reads them).
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
     from aoe_megatron.distributed import init_megatron, shutdown
 

@@ -1,0 +1,1 @@
+"""Pretraining: DeepSpeed ZeRO engine with megatron-core expert parallelism, schedule, loop."""
