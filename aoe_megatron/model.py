@@ -101,18 +101,41 @@ class ModelConfig:
 PRESET_DIR = Path(__file__).resolve().parent.parent / "run" / "presets"
 
 
-def load_preset(name_or_path: str, **overrides) -> ModelConfig:
-    """A preset by name ("tiny", "732m", "4b") or YAML path, with optional overrides."""
-    import yaml
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
+
+def _preset_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if not path.suffix:
         path = PRESET_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
         raise ValueError(f"no preset {name_or_path!r}: not a file, and not one of {names}")
+    return path
+
+
+def preset_dict(name_or_path: str, _seen=()) -> dict:
+    """A preset's YAML as a dict, with ``base: OTHER`` presets merged underneath (variants are data)."""
+    import yaml
+
+    path = _preset_path(name_or_path)
+    if path in _seen:
+        raise ValueError(f"preset {path} inherits from itself")
     raw = yaml.safe_load(path.read_text()) or {}
-    cfg = ModelConfig.from_dict(raw.get("model", raw))
+    unknown = set(raw) - {"base", "model", "train"}
+    if unknown:
+        raise ValueError(f"unknown preset sections {sorted(unknown)} in {path}: use base, model, train")
+    base = raw.pop("base", None)
+    return _merge(preset_dict(base, _seen + (path,)), raw) if base else raw
+
+
+def load_preset(name_or_path: str, **overrides) -> ModelConfig:
+    """A preset by name ("tiny", "aoe_732m", "moe_4b", ...) or YAML path, with optional overrides."""
+    cfg = ModelConfig.from_dict(preset_dict(name_or_path).get("model", {}))
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 

@@ -81,6 +81,28 @@ def test_overrides_are_validated():
         with_overrides(cfg, top_k=100)
 
 
+def test_named_presets_are_variants_of_two_bases(tmp_path):
+    from aoe_megatron.params import count_parameters
+
+    for size in ("732m", "4b"):
+        for arch in ("aoe", "moe"):
+            named = load_preset(f"{arch}_{size}")
+            assert named == load_preset(size, arch=arch)
+    assert count_parameters(load_preset("moe_4b")).total == pytest.approx(4e9, rel=0.01)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: tiny\nmodle: {}\n")
+    with pytest.raises(ValueError, match="unknown preset sections"):
+        load_preset(str(bad))
+    loop = tmp_path / "loop.yaml"
+    loop.write_text(f"base: {loop}\n")
+    with pytest.raises(ValueError, match="inherits from itself"):
+        load_preset(str(loop))
+    child = tmp_path / "child.yaml"
+    child.write_text("base: tiny\nmodel:\n  aoe: {d_low: 8}\n")
+    cfg = load_preset(str(child))
+    assert cfg.aoe.d_low == 8 and cfg.aoe.d_wide == "auto" and cfg.hidden_size == 64
+
+
 def test_presets_load_and_validate():
     for name in ("tiny", "732m", "4b"):
         for arch in ("aoe", "moe"):
