@@ -41,6 +41,7 @@ class AoERouter(MegatronModule):
         self.register_buffer("last_aux_loss", torch.zeros(()), persistent=False)
         self.register_buffer("last_load", torch.zeros(aoe.num_experts), persistent=False)
         self.register_buffer("last_ent_conf", torch.zeros(()), persistent=False)
+        self.register_buffer("last_mean_norm", torch.zeros(aoe.num_experts), persistent=False)
         self.reset_parameters()
 
     @property
@@ -74,6 +75,8 @@ class AoERouter(MegatronModule):
         with torch.no_grad():
             self.last_load.copy_(ops.load_fractions(routing_kept).to(self.last_load.dtype))
             self.last_ent_conf.copy_(ops.confidence_entropy(scores_kept.detach()))
+            norms_kept = norms_TE if valid_T is None else norms_TE[valid_T]
+            self.last_mean_norm.copy_(norms_kept.detach().float().mean(0))
         if self.aoe.alpha_aux > 0 and self.training and torch.is_grad_enabled():
             aux = ops.load_balancing_loss(
                 routing_map_TE=routing_kept, scores_TE=scores_kept, alpha=self.aoe.alpha_aux

@@ -14,8 +14,8 @@ def test_loss_falls_in_30_steps(megatron_world, arch):
     cfg = load_preset("tiny", arch=arch)
     losses = train_fixed_batch(cfg, steps=30, log=lambda _: None)
     assert all(torch.isfinite(torch.tensor(losses)))
-    # Random tokens over 512 ids start near log(512) = 6.24; memorising the batch drives it down.
-    assert losses[0] > 5.5
+    # Random tokens over 32,000 ids start near log(32000) = 10.4; memorising the batch drives it down.
+    assert losses[0] > 9.5
     assert losses[-1] < 0.5 * losses[0], f"{arch} loss did not fall clearly: {losses}"
 
 

@@ -121,7 +121,7 @@ def optimizer_param_groups(model: torch.nn.Module, *, weight_decay: float) -> li
 
 def build_engine(model, *, zero_stage: int, lr: float, betas=(0.9, 0.95), weight_decay=0.1,
                  eps=1e-8, lr_schedule=None, micro_batch: int, grad_accum: int, ep_size: int,
-                 num_experts: int, bf16: bool = False):
+                 num_experts: int, bf16: bool = False, clip_grad: float = 1.0):
     """(engine, optimizer, scheduler) for ``model`` under ZeRO ``zero_stage``."""
     import torch.distributed as dist
 
@@ -134,6 +134,7 @@ def build_engine(model, *, zero_stage: int, lr: float, betas=(0.9, 0.95), weight
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule or (lambda _: 1.0))
     config = load_zero_config(zero_stage, micro_batch=micro_batch, grad_accum=grad_accum,
                               dp_size=dist.get_world_size(), bf16=bf16)
+    config["gradient_clipping"] = clip_grad
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
     )

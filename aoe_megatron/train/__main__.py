@@ -1,0 +1,3 @@
+from aoe_megatron.train.loop import main
+
+raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Training settings: a preset's ``train:`` section plus command-line overrides, validated before
+any process group starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+from aoe_megatron.model import ModelConfig, load_preset, preset_dict
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    preset: str
+    """Model preset name or YAML (its ``model:`` section; ``train:`` gives these defaults)."""
+    data: Optional[str] = None
+    """Data config YAML (run/data-*.yaml); None trains on random tokens (smoke runs only)."""
+    arch: Optional[str] = None
+    """Override the preset's architecture: aoe or moe."""
+    expert_parallel_size: int = 1
+    zero_stage: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    train_steps: Optional[int] = None
+    train_tokens: Optional[int] = None
+    """Alternative to train_steps: steps = ceil(tokens / (global_batch_size * seq_length))."""
+    lr: float = 2e-4
+    min_lr: float = 1.28e-5
+    warmup_steps: int = 4800
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+    seed: int = 1234
+    recompute: bool = False
+    """Recompute each MoE layer's activations in backward (saves memory)."""
+    eval_interval: int = 100
+    eval_iters: int = 4
+    save_interval: int = 0
+    """Steps between checkpoints; 0 saves only on a signal and at the end."""
+    ckpt_dir: Optional[str] = None
+    run_dir: str = "runs/default"
+    """TensorBoard logs, the resolved config and the run's record."""
+    log_interval: int = 1
+    tokenizer_model: Optional[str] = None
+    """If given, the data must have been tokenized with this file (its sha256 is checked)."""
+
+    @property
+    def model(self) -> ModelConfig:
+        return load_preset(self.preset, **({"arch": self.arch} if self.arch else {}))
+
+    def steps(self) -> int:
+        if self.train_steps is not None:
+            return self.train_steps
+        per_step = self.global_batch_size * self.model.seq_length
+        return -(-self.train_tokens // per_step)
+
+    def grad_accum(self, data_parallel_size: int) -> int:
+        return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
+
+    def validate(self, world_size: int) -> None:
+        """Raise ValueError naming the problem; touches no process group."""
+        model = self.model  # unknown preset keys and invalid model settings raise here
+        if model.arch == "aoe":
+            model.aoe_config(self.expert_parallel_size)  # EP must divide the experts
+        elif model.num_experts % self.expert_parallel_size:
+            raise ValueError(
+                f"num_experts={model.num_experts} is not divisible by expert parallel size "
+                f"{self.expert_parallel_size}"
+            )
+        if world_size % self.expert_parallel_size:
+            raise ValueError(
+                f"expert parallel size {self.expert_parallel_size} does not divide the "
+                f"{world_size} processes"
+            )
+        from aoe_megatron.train.engine import check_zero_and_ep
+
+        check_zero_and_ep(self.zero_stage, self.expert_parallel_size)
+        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
+                     "expert_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if (self.train_steps is None) == (self.train_tokens is None):
+            raise ValueError("give exactly one of --train-steps and --train-tokens")
+        if self.steps() <= 0:
+            raise ValueError("the run has no training step")
+        if self.global_batch_size % (self.micro_batch_size * world_size):
+            raise ValueError(
+                f"global batch {self.global_batch_size} is not a multiple of micro batch "
+                f"{self.micro_batch_size} x {world_size} data-parallel processes"
+            )
+        if self.save_interval < 0 or self.eval_interval < 0:
+            raise ValueError("intervals must be >= 0")
+        if self.data is not None:
+            from aoe_megatron.data.blend import DataConfig, check_manifests
+            from aoe_megatron.data.tokenizer import sha256_of
+
+            prefixes = DataConfig.load(self.data).prefixes
+            sha = sha256_of(self.tokenizer_model) if self.tokenizer_model else None
+            manifest = check_manifests(prefixes, sha)
+            if manifest["tokenizer"]["vocab_size"] > model.vocab_size:
+                raise ValueError(
+                    f"the data's tokenizer has {manifest['tokenizer']['vocab_size']} ids but the "
+                    f"model's vocabulary is {model.vocab_size}"
+                )
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m aoe_megatron.train",
+        description="Pretrain an AoE or MoE GPT model (launch with torchrun, srun or deepspeed).",
+    )
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name == "preset":
+            ap.add_argument(flag, required=True)
+        elif f.type in ("bool", bool):
+            ap.add_argument(flag, action="store_true", default=None)
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            ap.add_argument(flag, type=kind, default=None)
+    return ap
+
+
+def parse_train_args(argv=None) -> TrainConfig:
+    """CLI flags over the preset's ``train:`` section over the dataclass defaults."""
+    args = {k: v for k, v in vars(_parser().parse_args(argv)).items() if v is not None}
+    train_section = preset_dict(args["preset"]).get("train", {}) or {}
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = set(train_section) - known
+    if unknown:
+        raise ValueError(f"unknown train settings {sorted(unknown)} in preset {args['preset']!r}")
+    return TrainConfig(**{**train_section, **args})
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def resolved(cfg: TrainConfig) -> dict:
+    return {"train": asdict(cfg), "model": asdict(cfg.model)}

@@ -1,0 +1,273 @@
+"""The pretraining loop: ``python -m aoe_megatron.train --preset tiny --train-steps 100 ...``.
+
+Launch with torchrun / srun / the deepspeed launcher (one process per GPU, or per CPU slot).
+Data parallel x expert parallel; restarting the same command resumes from ``--ckpt-dir``'s latest
+checkpoint; SIGTERM or SIGUSR1 (Slurm's warnings before preemption or the time limit) saves a
+checkpoint and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from aoe_megatron.train.config import (
+    TrainConfig,
+    parse_train_args,
+    resolved,
+    world_size_from_env,
+)
+
+EXIT_AFTER_SIGNAL = 0
+
+
+class _StopFlag:
+    """Set by SIGTERM / SIGUSR1; the ranks agree on it at step boundaries."""
+
+    def __init__(self):
+        self.raised = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.raised = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.raised else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _random_batch(index: int, micro: int, seq_length: int, vocab: int):
+    gen = torch.Generator().manual_seed(1_000_003 * index + 17)
+    return torch.randint(0, vocab, (micro, seq_length + 1), generator=gen)
+
+
+class _Batches:
+    """Micro-batches by global sample index, so a resumed run sees exactly the same data."""
+
+    def __init__(self, cfg: TrainConfig, model_cfg, dp_rank: int, dp_size: int):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.train = self.valid = None
+        if cfg.data is not None:
+            from aoe_megatron.data.blend import build_datasets
+
+            steps = cfg.steps()
+            evals = (steps // cfg.eval_interval + 1) if cfg.eval_interval else 1
+            per_eval = cfg.eval_iters * cfg.micro_batch_size * dp_size
+            self.train, self.valid, _ = build_datasets(
+                cfg.data, seq_length=model_cfg.seq_length, seed=cfg.seed,
+                num_samples=(steps * cfg.global_batch_size, per_eval * evals, 0),
+            )
+
+    def _take(self, dataset, start: int, count: int, salt: int) -> torch.Tensor:
+        if dataset is None:
+            return _random_batch(salt + start, count, self.model_cfg.seq_length,
+                                 self.model_cfg.vocab_size)
+        rows = [torch.as_tensor(dataset[start + i]["tokens"]).long() for i in range(count)]
+        labels = [torch.as_tensor(dataset[start + i]["labels"]).long() for i in range(count)]
+        # tokens[t + 1] == labels[t]: rebuild the (seq_length + 1) window.
+        return torch.stack([torch.cat([r, l[-1:]]) for r, l in zip(rows, labels)])
+
+    def train_batch(self, step: int, micro_index: int, grad_accum: int) -> torch.Tensor:
+        m = self.cfg.micro_batch_size
+        start = step * self.cfg.global_batch_size + (self.dp_rank * grad_accum + micro_index) * m
+        return self._take(self.train, start, m, salt=0)
+
+    def valid_batch(self, i: int) -> torch.Tensor:
+        m = self.cfg.micro_batch_size
+        start = (i * self.dp_size + self.dp_rank) * m
+        return self._take(self.valid, start, m, salt=10**12)
+
+
+def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    device = next(model.parameters()).device
+    inputs, labels = inputs.to(device), labels.to(device)
+    position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+    return model(inputs, position_ids, None, labels=labels).float().mean()
+
+
+def _record_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> None:
+    import deepspeed
+    import megatron.core
+
+    import aoe_megatron
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(resolved(cfg), indent=2, default=str) + "\n")
+    record = {
+        "command": [sys.executable, *sys.argv],
+        "world_size": world_size,
+        "versions": {"aoe_megatron": aoe_megatron.__version__, "torch": torch.__version__,
+                     "megatron_core": megatron.core.__version__, "deepspeed": deepspeed.__version__,
+                     "python": platform.python_version()},
+        "host": platform.node(),
+    }
+    if cfg.data is not None:
+        from aoe_megatron.data.blend import DataConfig, check_manifests
+
+        manifest = check_manifests(DataConfig.load(cfg.data).prefixes)
+        record["data_tokenizer_sha256"] = manifest["tokenizer"]["sha256"]
+        record["data_policy"] = manifest["policy"]
+    (run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) training; every rank calls this. Returns a summary on rank 0."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        clear_aux_losses_tracker,
+    )
+
+    from aoe_megatron.distributed import init_megatron
+    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.train import checkpoint as ckpt
+    from aoe_megatron.train.engine import build_engine
+    from aoe_megatron.train.metrics import Reporter, selection_stats
+    from aoe_megatron.train.schedule import lr_lambda
+
+    world = world_size_from_env()
+    cfg.validate(world)  # before any process group starts
+    rank = int(os.environ.get("RANK", "0"))
+    stop = _StopFlag()
+    init_megatron(rank=rank, world_size=world, expert_parallel_size=cfg.expert_parallel_size,
+                  seed=cfg.seed)
+    model_cfg = cfg.model
+    on_gpu = torch.cuda.is_available()
+    extra = {"bf16": True, "params_dtype": torch.bfloat16} if on_gpu else {}
+    if cfg.recompute:
+        extra.update(recompute_granularity="selective", recompute_modules=["moe"])
+    tc = transformer_config(model_cfg, expert_parallel_size=cfg.expert_parallel_size, **extra)
+    torch.manual_seed(cfg.seed)
+    model = build_gpt_model(model_cfg, tc)
+    if on_gpu:
+        model = model.cuda()
+    steps = cfg.steps()
+    gas = cfg.grad_accum(world)
+    engine, _, scheduler = build_engine(
+        model, zero_stage=cfg.zero_stage, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+        weight_decay=cfg.weight_decay, micro_batch=cfg.micro_batch_size, grad_accum=gas,
+        ep_size=cfg.expert_parallel_size, num_experts=model_cfg.num_experts, bf16=on_gpu,
+        clip_grad=cfg.clip_grad,
+        lr_schedule=lr_lambda(peak=cfg.lr, final=cfg.min_lr,
+                              warmup_steps=min(cfg.warmup_steps, steps - 1), total_steps=steps),
+    )
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / gas, device=next(model.parameters()).device))
+    layout = {"world_size": world, "expert_parallel_size": cfg.expert_parallel_size,
+              "zero_stage": cfg.zero_stage}
+    start = 0
+    if cfg.ckpt_dir and (latest := ckpt.latest_checkpoint(cfg.ckpt_dir)) is not None:
+        state = ckpt.load_checkpoint(latest, engine=engine, model=model, scheduler=scheduler,
+                                     layout=layout)
+        start = state["step"]
+        if rank == 0:
+            print(f"resumed from {latest} at step {start}", flush=True)
+    run_dir = Path(cfg.run_dir)
+    if rank == 0:
+        _record_run(cfg, run_dir, world)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    batches = _Batches(cfg, model_cfg, dp_rank, dp_size)
+    reporter = Reporter(run_dir, total_steps=steps,
+                        tokens_per_step=cfg.global_batch_size * model_cfg.seq_length,
+                        enabled=rank == 0)
+    losses, valid_losses, stopped = {}, {}, False
+
+    def evaluate(step: int) -> float:
+        model.eval()
+        total = torch.zeros(())
+        with torch.no_grad():
+            for i in range(cfg.eval_iters):
+                total += _lm_loss(engine, batches.valid_batch(i)).cpu()
+        model.train()
+        dist.all_reduce(total)
+        value = total.item() / (cfg.eval_iters * dist.get_world_size())
+        reporter.scalar("valid/loss", value, step)
+        if rank == 0:
+            print(f"step {step:>7}/{steps}  validation loss {value:.4f}", flush=True)
+        valid_losses[step] = value
+        return value
+
+    def save(step: int) -> None:
+        if cfg.ckpt_dir:
+            path = ckpt.save_checkpoint(cfg.ckpt_dir, step=step, engine=engine, model=model,
+                                        scheduler=scheduler,
+                                        consumed_samples=step * cfg.global_batch_size,
+                                        layout=layout, config=resolved(cfg))
+            if rank == 0:
+                print(f"saved {path}", flush=True)
+
+    try:
+        for step in range(start, steps):
+            lr = scheduler.get_last_lr()[0]
+            step_loss = torch.zeros(())
+            for micro in range(gas):
+                loss = _lm_loss(engine, batches.train_batch(step, micro, gas))
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.detach().cpu() / gas
+            aux = None
+            try:
+                from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+                tracker = get_moe_layer_wise_logging_tracker()
+                if "load_balancing_loss" in tracker:
+                    aux = float(tracker["load_balancing_loss"]["values"].sum()) / gas
+            finally:
+                clear_aux_losses_tracker()
+            dist.all_reduce(step_loss)
+            step_loss /= dist.get_world_size()
+            losses[step + 1] = step_loss.item()
+            log_now = (step + 1) % cfg.log_interval == 0 or step + 1 == steps
+            reporter.step(step + 1, loss=losses[step + 1], lr=lr,
+                          grad_norm=engine.get_global_grad_norm(), stats=selection_stats(model),
+                          aux_loss=aux, console=log_now)
+            done = step + 1 == steps
+            if cfg.eval_interval and ((step + 1) % cfg.eval_interval == 0 or done):
+                evaluate(step + 1)
+            if stop.agreed():
+                save(step + 1)
+                stopped = True
+                if rank == 0:
+                    print(f"stopped by a signal after step {step + 1}; restart the same command "
+                          f"to resume", flush=True)
+                break
+            if done or (cfg.save_interval and (step + 1) % cfg.save_interval == 0):
+                save(step + 1)
+    finally:
+        reporter.close()
+    return {"losses": losses, "valid_losses": valid_losses, "stopped": stopped, "start": start}
+
+
+def main(argv=None) -> int:
+    from aoe_megatron.compat import quiet_cpu_fallback_warnings
+
+    quiet_cpu_fallback_warnings()
+    try:
+        cfg = parse_train_args(argv)
+        cfg.validate(world_size_from_env())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from aoe_megatron.distributed import shutdown
+
+    try:
+        summary = train(cfg)
+        if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("AOE_SUMMARY"):
+            Path(os.environ["AOE_SUMMARY"]).write_text(json.dumps(summary) + "\n")
+    finally:
+        shutdown()
+    return EXIT_AFTER_SIGNAL
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

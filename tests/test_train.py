@@ -1,0 +1,179 @@
+"""The pretraining entry point: argument checks, exact resume after SIGTERM, crash-safe saves,
+TensorBoard and the run record."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ["--preset", "tiny", "--expert-parallel-size", "2", "--global-batch-size", "4",
+          "--micro-batch-size", "1", "--warmup-steps", "3", "--lr", "3e-3", "--eval-interval", "4",
+          "--eval-iters", "2", "--log-interval", "1", "--zero-stage", "2"]
+
+
+def _torchrun(args, *, port, env_extra=None, log=None):
+    env = {**os.environ, **(env_extra or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(port), "-m", "aoe_megatron.train", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log or subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _free_port():
+    from aoe_megatron.distributed import free_port
+
+    return free_port()
+
+
+def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
+    steps = ["--train-steps", "8"]
+    full = tmp_path / "full.json"
+    proc = _torchrun([*COMMON, *steps, "--ckpt-dir", str(tmp_path / "ck_full"),
+                      "--run-dir", str(tmp_path / "run_full")],
+                     port=_free_port(), env_extra={"AOE_SUMMARY": str(full)})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    reference = {int(k): v for k, v in json.loads(full.read_text())["losses"].items()}
+    assert sorted(reference) == list(range(1, 9))
+
+    args = [*COMMON, *steps, "--ckpt-dir", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "run")]
+    with open(tmp_path / "first.log", "w") as log:
+        proc = _torchrun(args, port=_free_port(), log=log)
+        deadline = time.monotonic() + 300
+        while "step       3/8" not in (tmp_path / "first.log").read_text():
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()
+            assert time.monotonic() < deadline, "the run never reached step 3"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+    first = (tmp_path / "first.log").read_text()
+    assert "stopped by a signal" in first, first
+    stopped_at = int((tmp_path / "ck" / "latest").read_text().strip().split("_")[1])
+    assert 3 <= stopped_at < 8
+
+    resumed = tmp_path / "resumed.json"
+    proc = _torchrun(args, port=_free_port(), env_extra={"AOE_SUMMARY": str(resumed)})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert f"resumed from {tmp_path / 'ck'}" in out
+    summary = json.loads(resumed.read_text())
+    assert summary["start"] == stopped_at
+    after = {int(k): v for k, v in summary["losses"].items()}
+    assert sorted(after) == list(range(stopped_at + 1, 9))
+    for step, loss in after.items():
+        assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-6), step
+
+    # TensorBoard and the run record.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "run_full"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "valid/loss",
+                "train/aux_loss", "ent_load/layer_01", "ent_conf/layer_02",
+                "expert_load/layer_01/expert_3", "expert_norm/layer_02/expert_0"):
+        assert tag in tags, (tag, sorted(tags))
+    record = json.loads((tmp_path / "run_full" / "run.json").read_text())
+    assert record["world_size"] == 2 and "megatron_core" in record["versions"]
+    config = json.loads((tmp_path / "run_full" / "config.json").read_text())
+    assert config["model"]["arch"] == "aoe" and config["train"]["expert_parallel_size"] == 2
+
+
+def _crash_during_save(rank, world_size, ckpt_dir):
+    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.train import checkpoint as ckpt
+    from aoe_megatron.train.engine import build_engine
+
+    cfg = load_preset("tiny", vocab_size=512)
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, transformer_config(cfg, expert_parallel_size=2))
+    engine, _, sched = build_engine(model, zero_stage=1, lr=1e-3, micro_batch=1, grad_accum=1,
+                                    ep_size=2, num_experts=cfg.num_experts)
+    layout = {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 1}
+    good = ckpt.save_checkpoint(ckpt_dir, step=2, engine=engine, model=model, scheduler=sched,
+                                consumed_samples=4, layout=layout, config={})
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    original = ckpt._optimizer_state
+
+    def failing_optimizer_state(engine):
+        raise OSError("disk full (injected)")
+
+    # The crash comes after the model shards of step 4 are written, before anything is renamed.
+    ckpt._optimizer_state = failing_optimizer_state
+    try:
+        with pytest.raises(OSError, match="injected"):
+            ckpt.save_checkpoint(ckpt_dir, step=4, engine=engine, model=model, scheduler=sched,
+                                 consumed_samples=8, layout=layout, config={})
+    finally:
+        ckpt._optimizer_state = original
+    torch.distributed.barrier()
+    assert ckpt.latest_checkpoint(ckpt_dir) == good
+    ckpt.load_checkpoint(good, engine=engine, model=model, scheduler=sched, layout=layout)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, saved[n], rtol=0, atol=0, msg=n)
+    with pytest.raises(ValueError, match="cannot be resumed across layouts"):
+        ckpt.load_checkpoint(good, engine=engine, model=model, scheduler=sched,
+                             layout={**layout, "expert_parallel_size": 1})
+
+
+def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
+    run_distributed(_crash_during_save, 2, tmp_path / "ck")
+
+
+@pytest.mark.parametrize(
+    "args,env,phrase",
+    [
+        (["--preset", "tiny", "--train-steps", "2", "--expert-parallel-size", "3"], {"WORLD_SIZE": "3"},
+         "not divisible by expert parallel size"),
+        (["--preset", "tiny", "--train-steps", "2", "--expert-parallel-size", "2", "--zero-stage", "3"],
+         {"WORLD_SIZE": "2"}, "ZeRO-3 with expert parallelism"),
+        (["--preset", "nonexistent", "--train-steps", "2"], {}, "no preset"),
+        (["--preset", "tiny"], {}, "exactly one of --train-steps and --train-tokens"),
+    ],
+)
+def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from aoe_megatron.train.loop import main
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    was_initialized = dist.is_initialized()
+    assert main(args) == 2
+    assert phrase in capsys.readouterr().err
+    assert dist.is_initialized() == was_initialized
+
+
+def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):
+    from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
+    from aoe_megatron.data.train_tokenizer import train_tokenizer
+    from aoe_megatron.train.loop import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: tiny\ntrain:\n  learning_rate: 1.0\n")
+    assert main(["--preset", str(bad), "--train-steps", "2"]) == 2
+    assert "unknown train settings ['learning_rate']" in capsys.readouterr().err
+    src = tmp_path / "d.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(40)))
+    preprocess(PreprocessConfig(inputs=(str(src),), output_prefix=str(tmp_path / "d"),
+                                append_eod=True, workers=0, log_interval=1e9))
+    other = train_tokenizer([str(src)], str(tmp_path / "other"), vocab_size=300)
+    data = tmp_path / "data.yaml"
+    data.write_text(f"blend:\n  - {{prefix: {tmp_path / 'd_text_document'}, weight: 1}}\n")
+    assert main(["--preset", "tiny", "--train-steps", "2", "--data", str(data),
+                 "--tokenizer-model", str(other)]) == 2
+    assert "not the tokenizer given" in capsys.readouterr().err
