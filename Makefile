@@ -7,10 +7,12 @@ ASSETS := assets/.fetched
 CORPUS_PREFIX := data/shakespeare_text_document
 PYTEST_ARGS ?=
 
-.PHONY: help setup assets test demo params preprocess bench-preprocess lint clean
+
+.PHONY: help setup assets test demo smoke params preprocess bench-preprocess lint clean
 
 help:
-	@echo "make demo    - AoE smoke run: a tiny GPTModel learns a fixed batch on the CPU"
+	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
+	@echo "make smoke   - one process: a tiny GPTModel learns a fixed batch"
 	@echo "make test    - the test suite (CPU, gloo; what CI runs)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
@@ -38,7 +40,15 @@ $(ASSETS): $(STAMP) aoe_megatron/data/assets.py
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-demo: setup
+# Pretrain the tiny AoE model on the Shakespeare corpus, EP=2 over two CPU processes.
+DEMO_DIR ?= runs/demo
+DEMO_STEPS ?= 300
+demo: setup $(CORPUS_PREFIX).idx
+	$(VENV)/bin/torchrun --nproc_per_node 2 --master_port $${MASTER_PORT:-29555} -m aoe_megatron.train \
+		--preset tiny --data run/data-shakespeare.yaml --expert-parallel-size 2 \
+		--train-steps $(DEMO_STEPS) --ckpt-dir $(DEMO_DIR)/checkpoints --run-dir $(DEMO_DIR)
+
+smoke: setup
 	$(PY) -m aoe_megatron.smoke --preset tiny --arch aoe --steps 30
 
 params: setup

@@ -245,6 +245,12 @@ def train(cfg: TrainConfig) -> dict:
                 save(step + 1)
     finally:
         reporter.close()
+    if rank == 0:
+        print(f"run directory: {run_dir.resolve()} (config.json, run.json, TensorBoard: "
+              f"tensorboard --logdir {run_dir})", flush=True)
+        if cfg.ckpt_dir:
+            print(f"checkpoints: {Path(cfg.ckpt_dir).resolve()} (restart the same command to resume)",
+                  flush=True)
     return {"losses": losses, "valid_losses": valid_losses, "stopped": stopped, "start": start}
 
 
