@@ -8,7 +8,7 @@ CORPUS_PREFIX := data/shakespeare_text_document
 PYTEST_ARGS ?=
 
 
-.PHONY: help setup assets test demo smoke params preprocess bench-preprocess lint clean
+.PHONY: help setup assets system-deps test demo smoke params preprocess bench-preprocess lint clean
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
@@ -37,7 +37,19 @@ $(ASSETS): $(STAMP) aoe_megatron/data/assets.py
 	$(PY) -m aoe_megatron.data.assets
 	@touch $(ASSETS)
 
-test: setup
+# The Slurm test (tests/test_slurm.py) runs a local two-node cluster: Debian's Slurm and munge.
+SYSTEM_PACKAGES := slurmctld slurmd slurm-client munge
+system-deps:
+	@if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing $(SYSTEM_PACKAGES) for the Slurm test"; \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null && apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null; }; \
+	  else echo "note: Slurm and munge are missing and this is not root: the Slurm test will skip"; fi; \
+	fi
+
+test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Pretrain the tiny AoE model on the Shakespeare corpus, EP=2 over two CPU processes.

@@ -243,6 +243,10 @@ def train(cfg: TrainConfig) -> dict:
                 break
             if done or (cfg.save_interval and (step + 1) % cfg.save_interval == 0):
                 save(step + 1)
+            if done and rank == 0:
+                (run_dir / "finished.json").write_text(json.dumps(
+                    {"steps": steps, "final_loss": losses[steps],
+                     "final_valid_loss": valid_losses.get(steps)}) + "\n")
     finally:
         reporter.close()
     if rank == 0:
