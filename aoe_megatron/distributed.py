@@ -34,7 +34,8 @@ def init_megatron(
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+            torch.cuda.set_device(local_rank)
         dist.init_process_group(backend or default_backend(), rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()

@@ -17,9 +17,17 @@ import torch
 from tests.helpers import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMON = ["--preset", "tiny", "--expert-parallel-size", "2", "--global-batch-size", "4",
-          "--micro-batch-size", "1", "--warmup-steps", "3", "--lr", "3e-3", "--eval-interval", "4",
-          "--eval-iters", "2", "--log-interval", "1", "--zero-stage", "2"]
+SETTINGS = {"preset": "tiny", "expert-parallel-size": 2, "global-batch-size": 4,
+            "micro-batch-size": 1, "warmup-steps": 3, "lr": 3e-3, "eval-interval": 4,
+            "eval-iters": 2, "log-interval": 1, "zero-stage": 2}
+
+
+def _args(**changes) -> list:
+    settings = {**SETTINGS, **{k.replace("_", "-"): v for k, v in changes.items()}}
+    return [x for key, value in settings.items() for x in (f"--{key}", str(value))]
+
+
+COMMON = _args()
 
 
 def _torchrun(args, *, port, env_extra=None, log=None):
@@ -73,6 +81,20 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
     assert sorted(after) == list(range(stopped_at + 1, 9))
     for step, loss in after.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-6), step
+
+    # The weights saved at EP=2 load at EP=1: the validation loss is the same.
+    full_summary = json.loads(full.read_text())
+    at_ep1 = tmp_path / "ep1.json"
+    ep1_args = _args(expert_parallel_size=1, train_steps=1, eval_interval=1, lr=1e-12,
+                     min_lr=1e-12, load_weights=tmp_path / "ck_full" / "step_00000008",
+                     run_dir=tmp_path / "run_ep1")
+    proc = _torchrun(ep1_args,
+                     port=_free_port(), env_extra={"AOE_SUMMARY": str(at_ep1)})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    assert "initialised the model from" in out
+    ep1_valid = json.loads(at_ep1.read_text())["valid_losses"]["1"]
+    assert ep1_valid == pytest.approx(full_summary["valid_losses"]["8"], rel=1e-5)
 
     # TensorBoard and the run record.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -177,3 +199,26 @@ def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):
     assert main(["--preset", "tiny", "--train-steps", "2", "--data", str(data),
                  "--tokenizer-model", str(other)]) == 2
     assert "not the tokenizer given" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["aoe", "moe"])
+def test_selection_statistics_for_both_architectures(megatron_world, arch):
+    import math
+
+    from aoe_megatron.model import build_gpt_model, load_preset
+    from aoe_megatron.train.metrics import attach_stock_router_stats, selection_stats
+
+    cfg = load_preset("tiny", arch=arch, vocab_size=512)
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg)
+    stock = attach_stock_router_stats(model) if arch == "moe" else []
+    tokens = torch.randint(0, 512, (2, 17))
+    pos = torch.arange(16).unsqueeze(0).expand(2, -1)
+    model(tokens[:, :-1], pos, None, labels=tokens[:, 1:]).mean().backward()
+    stats = selection_stats(model, stock)
+    assert sorted(stats) == [1, 2]
+    for s in stats.values():
+        assert sum(s["load"]) == pytest.approx(1.0, abs=1e-6)
+        assert 0 < s["ent_load"] <= math.log(cfg.num_experts) + 1e-9
+        assert 0 < s["ent_conf"] <= math.log(cfg.num_experts) + 1e-6
+        assert len(s["mean_norm"]) == cfg.num_experts

@@ -42,6 +42,9 @@ class TrainConfig:
     save_interval: int = 0
     """Steps between checkpoints; 0 saves only on a signal and at the end."""
     ckpt_dir: Optional[str] = None
+    load_weights: Optional[str] = None
+    """Start from this checkpoint's model weights (saved at any EP size) with a fresh optimizer;
+    ignored when ckpt_dir holds a checkpoint to resume from."""
     run_dir: str = "runs/default"
     """TensorBoard logs, the resolved config and the run's record."""
     log_interval: int = 1
@@ -94,6 +97,9 @@ class TrainConfig:
             )
         if self.save_interval < 0 or self.eval_interval < 0:
             raise ValueError("intervals must be >= 0")
+        if self.load_weights is not None and not os.path.isdir(os.path.join(self.load_weights, "model")):
+            raise ValueError(f"--load-weights {self.load_weights} is not a checkpoint directory "
+                             f"(it has no model/ folder)")
         if self.data is not None:
             from aoe_megatron.data.blend import DataConfig, check_manifests
             from aoe_megatron.data.tokenizer import sha256_of

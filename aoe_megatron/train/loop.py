@@ -133,7 +133,7 @@ def train(cfg: TrainConfig) -> dict:
     from aoe_megatron.model import build_gpt_model, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train.engine import build_engine
-    from aoe_megatron.train.metrics import Reporter, selection_stats
+    from aoe_megatron.train.metrics import Reporter, attach_stock_router_stats, selection_stats
     from aoe_megatron.train.schedule import lr_lambda
 
     world = world_size_from_env()
@@ -172,6 +172,11 @@ def train(cfg: TrainConfig) -> dict:
         start = state["step"]
         if rank == 0:
             print(f"resumed from {latest} at step {start}", flush=True)
+    elif cfg.load_weights:
+        ckpt.load_model_weights(cfg.load_weights, model)
+        engine.optimizer.refresh_fp32_params()  # the optimizer's master weights follow the model
+        if rank == 0:
+            print(f"initialised the model from {cfg.load_weights}", flush=True)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
         _record_run(cfg, run_dir, world)
@@ -180,6 +185,7 @@ def train(cfg: TrainConfig) -> dict:
     reporter = Reporter(run_dir, total_steps=steps,
                         tokens_per_step=cfg.global_batch_size * model_cfg.seq_length,
                         enabled=rank == 0)
+    stock_stats = attach_stock_router_stats(model) if model_cfg.arch == "moe" else []
     losses, valid_losses, stopped = {}, {}, False
 
     def evaluate(step: int) -> float:
@@ -229,7 +235,8 @@ def train(cfg: TrainConfig) -> dict:
             losses[step + 1] = step_loss.item()
             log_now = (step + 1) % cfg.log_interval == 0 or step + 1 == steps
             reporter.step(step + 1, loss=losses[step + 1], lr=lr,
-                          grad_norm=engine.get_global_grad_norm(), stats=selection_stats(model),
+                          grad_norm=engine.get_global_grad_norm(),
+                          stats=selection_stats(model, stock_stats),
                           aux_loss=aux, console=log_now)
             done = step + 1 == steps
             if cfg.eval_interval and ((step + 1) % cfg.eval_interval == 0 or done):

@@ -10,21 +10,57 @@ import torch.distributed as dist
 
 
 
-def selection_stats(model) -> dict:
-    """Per AoE layer, averaged over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load,
-    Ent_conf (Eq. 8), each expert's mean activation norm (the paper's Figure 4), L_aux."""
+class StockRouterStats:
+    """The same statistics for megatron-core's TopKRouter (the MoE baseline), from a forward hook:
+    load fractions from the routing map, Ent_conf from the softmax over all router logits (Eq. 8),
+    and the mean router logit per expert in place of AoE's activation norm."""
+
+    def __init__(self, router):
+        self.router = router
+        e = router.config.num_moe_experts
+        self.last_load = torch.zeros(e)
+        self.last_mean_norm = torch.zeros(e)
+        self.last_ent_conf = torch.zeros(())
+        self.last_aux_loss = torch.zeros(())
+        self.layer_number = router.layer_number
+        self.num_experts = e
+        router.register_forward_hook(self._hook)
+
+    @torch.no_grad()
+    def _hook(self, module, inputs, output):
+        _, routing_map = output
+        x = inputs[0].reshape(-1, inputs[0].shape[-1])
+        logits = torch.nn.functional.linear(x.float(), module.weight.float())
+        p = torch.softmax(logits, dim=-1).double()
+        counts = routing_map.reshape(-1, self.num_experts).double().sum(0)
+        self.last_load = (counts / counts.sum().clamp_min(1)).float().cpu()
+        self.last_ent_conf = (-(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()).float().cpu()
+        self.last_mean_norm = logits.mean(0).float().cpu()
+        self.layer_number = module.layer_number
+
+
+def attach_stock_router_stats(model) -> list:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [StockRouterStats(m) for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def selection_stats(model, stock_stats=()) -> dict:
+    """Per MoE layer, averaged over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load,
+    Ent_conf (Eq. 8), each expert's mean activation norm (AoE; the paper's Figure 4) or mean
+    router logit (stock MoE), and L_aux (AoE)."""
     from aoe_megatron.router import AoERouter
 
-    routers = [m for m in model.modules() if isinstance(m, AoERouter)]
+    routers = [m for m in model.modules() if isinstance(m, AoERouter)] or list(stock_stats)
     if not routers:
         return {}
-    packed = torch.stack([torch.cat([r.last_load.float(), r.last_mean_norm.float(),
-                                     r.last_ent_conf.float().view(1),
-                                     r.last_aux_loss.float().view(1)]) for r in routers])
+    packed = torch.stack([torch.cat([r.last_load.float().cpu(), r.last_mean_norm.float().cpu(),
+                                     r.last_ent_conf.float().cpu().view(1),
+                                     r.last_aux_loss.float().cpu().view(1)]) for r in routers])
     if dist.is_initialized():
         dist.all_reduce(packed)
         packed /= dist.get_world_size()
-    e = routers[0].aoe.num_experts
+    e = routers[0].last_load.numel()
     stats = {}
     for r, row in zip(routers, packed):
         layer = r.layer_number
