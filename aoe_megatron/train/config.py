@@ -128,12 +128,15 @@ def _parser() -> argparse.ArgumentParser:
         else:
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
             ap.add_argument(flag, type=kind, default=None)
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap
 
 
 def parse_train_args(argv=None) -> TrainConfig:
     """CLI flags over the preset's ``train:`` section over the dataclass defaults."""
     args = {k: v for k, v in vars(_parser().parse_args(argv)).items() if v is not None}
+    args.pop("local_rank", None)
     train_section = preset_dict(args["preset"]).get("train", {}) or {}
     known = {f.name for f in fields(TrainConfig)}
     unknown = set(train_section) - known
@@ -142,7 +145,17 @@ def parse_train_args(argv=None) -> TrainConfig:
     return TrainConfig(**{**train_section, **args})
 
 
+def adopt_slurm_env() -> None:
+    """Launched by ``srun`` directly (one task per GPU): take RANK / WORLD_SIZE / LOCAL_RANK from
+    Slurm's variables. torchrun and the deepspeed launcher set them themselves."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
 def world_size_from_env() -> int:
+    adopt_slurm_env()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
