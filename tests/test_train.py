@@ -165,6 +165,12 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
          {"WORLD_SIZE": "2"}, "ZeRO-3 with expert parallelism"),
         (["--preset", "nonexistent", "--train-steps", "2"], {}, "no preset"),
         (["--preset", "tiny"], {}, "exactly one of --train-steps and --train-tokens"),
+        (["--preset", "tiny", "--train-steps", "2", "--tensor-model-parallel-size", "2"], {},
+         "tensor and pipeline parallelism are not supported yet"),
+        (["--preset", "tiny", "--train-steps", "2", "--set", "num_layer=3"], {},
+         "unknown model settings ['num_layer']"),
+        (["--preset", "tiny", "--train-steps", "2", "--set", "aoe.d_low=64"], {},
+         "must be smaller than d_model"),
     ],
 )
 def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypatch, capsys):
@@ -178,6 +184,16 @@ def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypa
     assert main(args) == 2
     assert phrase in capsys.readouterr().err
     assert dist.is_initialized() == was_initialized
+
+
+def test_model_overrides_reach_the_model():
+    from aoe_megatron.train.config import parse_train_args
+
+    cfg = parse_train_args(["--preset", "aoe_732m", "--train-steps", "1", "--set", "num_layers=3",
+                            "--set", "aoe.d_low=128", "--arch", "moe"])
+    assert (cfg.model.num_layers, cfg.model.aoe.d_low, cfg.model.arch) == (3, 128, "moe")
+    assert cfg.model.hidden_size == 768 and cfg.global_batch_size == 2048  # the preset's recipe
+    assert cfg.lr == 2e-4 and cfg.warmup_steps == 4800 and cfg.min_lr == 1.28e-5
 
 
 def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):

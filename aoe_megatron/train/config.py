@@ -19,6 +19,12 @@ class TrainConfig:
     """Data config YAML (run/data-*.yaml); None trains on random tokens (smoke runs only)."""
     arch: Optional[str] = None
     """Override the preset's architecture: aoe or moe."""
+    model_overrides: tuple = ()
+    """Model settings over the preset's, as KEY=VALUE (``num_layers=4``, ``aoe.d_low=128``)."""
+    tensor_model_parallel_size: int = 1
+    """Only 1 for now (AoE layers are expert- and data-parallel)."""
+    pipeline_model_parallel_size: int = 1
+    """Only 1 for now."""
     expert_parallel_size: int = 1
     zero_stage: int = 1
     micro_batch_size: int = 1
@@ -53,7 +59,10 @@ class TrainConfig:
 
     @property
     def model(self) -> ModelConfig:
-        return load_preset(self.preset, **({"arch": self.arch} if self.arch else {}))
+        overrides = parse_overrides(self.model_overrides)
+        if self.arch:
+            overrides["arch"] = self.arch
+        return load_preset(self.preset, **overrides)
 
     def steps(self) -> int:
         if self.train_steps is not None:
@@ -66,6 +75,12 @@ class TrainConfig:
 
     def validate(self, world_size: int) -> None:
         """Raise ValueError naming the problem; touches no process group."""
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"{name.replace('_', '-')}={getattr(self, name)}: tensor and pipeline "
+                    f"parallelism are not supported yet; scale with data and expert parallelism"
+                )
         model = self.model  # unknown preset keys and invalid model settings raise here
         if model.arch == "aoe":
             model.aoe_config(self.expert_parallel_size)  # EP must divide the experts
@@ -114,6 +129,23 @@ class TrainConfig:
                 )
 
 
+def parse_overrides(items) -> dict:
+    """["num_layers=4", "aoe.d_low=128"] -> {"num_layers": 4, "aoe": {"d_low": 128}}."""
+    import yaml
+
+    out: dict = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key:
+            raise ValueError(f"model override {item!r} is not KEY=VALUE")
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m aoe_megatron.train",
@@ -123,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.name == "preset":
             ap.add_argument(flag, required=True)
+        elif f.name == "model_overrides":
+            ap.add_argument("--set", dest="model_overrides", action="append", default=None,
+                            metavar="KEY=VALUE", help="model setting over the preset's (repeatable)")
         elif f.type in ("bool", bool):
             ap.add_argument(flag, action="store_true", default=None)
         else:
@@ -142,6 +177,8 @@ def parse_train_args(argv=None) -> TrainConfig:
     unknown = set(train_section) - known
     if unknown:
         raise ValueError(f"unknown train settings {sorted(unknown)} in preset {args['preset']!r}")
+    if "model_overrides" in args:
+        args["model_overrides"] = tuple(args["model_overrides"])
     return TrainConfig(**{**train_section, **args})
 
 
