@@ -165,6 +165,8 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
          {"WORLD_SIZE": "2"}, "ZeRO-3 with expert parallelism"),
         (["--preset", "nonexistent", "--train-steps", "2"], {}, "no preset"),
         (["--preset", "tiny"], {}, "exactly one of --train-steps and --train-tokens"),
+        (["--preset", "tiny", "--train-steps", "2", "--zero-stage", "3", "--ckpt-dir", "x"], {},
+         "checkpoints support ZeRO-1 and ZeRO-2"),
         (["--preset", "tiny", "--train-steps", "2", "--tensor-model-parallel-size", "2"], {},
          "tensor and pipeline parallelism are not supported yet"),
         (["--preset", "tiny", "--train-steps", "2", "--set", "num_layer=3"], {},

@@ -97,6 +97,11 @@ class TrainConfig:
         from aoe_megatron.train.engine import check_zero_and_ep
 
         check_zero_and_ep(self.zero_stage, self.expert_parallel_size)
+        if self.zero_stage not in (1, 2, 3):
+            raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.zero_stage == 3 and self.ckpt_dir:
+            raise ValueError("checkpoints support ZeRO-1 and ZeRO-2 for now: drop --ckpt-dir or "
+                             "use --zero-stage 1 or 2")
         for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
                      "expert_parallel_size"):
             if getattr(self, name) <= 0:
