@@ -144,6 +144,7 @@ def _crash_during_save(rank, world_size, ckpt_dir):
         ckpt._optimizer_state = original
     torch.distributed.barrier()
     assert ckpt.latest_checkpoint(ckpt_dir) == good
+    assert not list(Path(ckpt_dir).glob("*.partial-*"))
     ckpt.load_checkpoint(good, engine=engine, model=model, scheduler=sched, layout=layout)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p, saved[n], rtol=0, atol=0, msg=n)

@@ -76,9 +76,14 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
         root.mkdir(parents=True, exist_ok=True)
         (tmp / "model").mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "model"))
-    torch.save({**_optimizer_state(engine), "scheduler": scheduler.state_dict()},
-               tmp / f"optim_rank{rank}.pt")
+    try:
+        dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "model"))
+        torch.save({**_optimizer_state(engine), "scheduler": scheduler.state_dict()},
+                   tmp / f"optim_rank{rank}.pt")
+    except BaseException:
+        if rank == 0:  # best effort: the half-written directory is never read, but takes space
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     dist.barrier()
     if rank == 0:
         state = {"step": step, "consumed_samples": consumed_samples, "layout": layout,
