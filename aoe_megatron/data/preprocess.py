@@ -172,9 +172,10 @@ def _remove_stale_partials(prefix: str) -> None:
             print(f"removed {path}, left by an interrupted run", file=sys.stderr)
 
 
-def _run_group(cfg: PreprocessConfig, tok: Tokenizer, subset: Optional[str], files, pool) -> dict:
+def _run_group(cfg: PreprocessConfig, tok: Tokenizer, subset: Optional[str], files, pool,
+               dtype) -> dict:
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefixes = {k: dataset_prefix(cfg.output_prefix, k, subset if cfg.per_input else None)
                 for k in cfg.json_keys}
@@ -184,7 +185,6 @@ def _run_group(cfg: PreprocessConfig, tok: Tokenizer, subset: Optional[str], fil
             raise PreprocessError(f"{existing[0]} exists; pass --overwrite to replace it")
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(prefix)
-    dtype = DType.optimal_dtype(tok.vocab_size)
     builders = {k: IndexedDatasetBuilder(_partial(f"{p}.bin"), dtype=dtype) for k, p in prefixes.items()}
     stats, sources = _Stats(), []
     progress = _Progress(cfg.log_interval, subset or Path(cfg.output_prefix).name)
@@ -297,7 +297,7 @@ def preprocess(cfg: PreprocessConfig) -> dict:
     results = {}
     try:
         for subset, files in groups:
-            for key, manifest in _run_group(cfg, tok, subset, files, pool).items():
+            for key, manifest in _run_group(cfg, tok, subset, files, pool, dtype).items():
                 results[manifest["dataset_prefix"]] = manifest
                 if manifest["rejected"] and any(manifest["rejected"].values()):
                     print(f"rejected records in {manifest['dataset_prefix']}: "
