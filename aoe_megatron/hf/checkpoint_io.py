@@ -1,0 +1,178 @@
+"""Streaming access to training checkpoints and safetensors files, one tensor (slice) at a time.
+
+``CheckpointReader`` reads slices of the global tensors of a megatron-core ``torch_dist``
+checkpoint (``step_N/model/``) without a process group and without loading the rest, so memory
+stays near the largest slice asked for. ``SafetensorsWriter`` writes a sharded safetensors
+model whose header is planned up front, then streams tensors in that order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+
+
+class ConversionError(RuntimeError):
+    """A conversion input is unusable; the message names the file and what to do."""
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory (``step_N``), or a ``--ckpt-dir`` whose ``latest`` names one."""
+    path = Path(path)
+    if not path.exists():
+        raise ConversionError(f"checkpoint {path} does not exist")
+    if (path / "latest").is_file() and not (path / "state.json").exists():
+        target = path / (path / "latest").read_text().strip()
+        if not target.is_dir():
+            raise ConversionError(f"{path / 'latest'} names {target}, which does not exist")
+        path = target
+    for needed in ("state.json", "model/.metadata"):
+        if not (path / needed).is_file():
+            raise ConversionError(
+                f"{path / needed} is missing: {path} is not a complete aoe-megatron checkpoint "
+                f"(pass a step_N directory, or the --ckpt-dir holding `latest`)"
+            )
+    return path
+
+
+class CheckpointReader:
+    """Slices of the model tensors of one checkpoint (``resolve_checkpoint`` output)."""
+
+    def __init__(self, path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = resolve_checkpoint(path)
+        self.state = json.loads((self.path / "state.json").read_text())
+        model_dir = self.path / "model"
+        self._reader = FileSystemReader(str(model_dir))
+        self.metadata = self._reader.read_metadata()
+        files = {info.relative_path for info in self.metadata.storage_data.values()}
+        missing = sorted(f for f in files if not (model_dir / f).is_file())
+        if missing:
+            raise ConversionError(
+                f"checkpoint shard {model_dir / missing[0]} is missing ({len(missing)} of {len(files)} "
+                f"shard files absent): the checkpoint is incomplete; copy the whole step directory "
+                f"again or convert an earlier checkpoint"
+            )
+        self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+
+    def tensors(self) -> dict:
+        """Every tensor key with its global shape (non-tensor entries left out)."""
+        return {k: tuple(v.size) for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "size")}
+
+    def shape(self, key: str) -> tuple:
+        try:
+            return tuple(self.metadata.state_dict_metadata[key].size)
+        except KeyError:
+            raise ConversionError(f"{self.path / 'model'} has no tensor {key!r}") from None
+
+    def read(self, key: str, index: Optional[int] = None) -> torch.Tensor:
+        """The global tensor ``key``, or its ``index``-th slice along axis 0 (a layer)."""
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        shape = self.shape(key)
+        meta = self.metadata.state_dict_metadata[key]
+        offsets = [0] * len(shape)
+        sizes = list(shape)
+        if index is not None:
+            offsets[0], sizes[0] = index, 1
+        target = torch.empty(sizes, dtype=meta.properties.dtype)
+
+        class _Into(DefaultLoadPlanner):  # every read lands in ``target`` (a plain tensor)
+            def lookup_tensor(self, index):
+                return target
+
+        planner = _Into()
+        planner.set_up_planner({key: target}, self.metadata, is_coordinator=True)
+        items = create_read_items_for_chunk_list(
+            key, meta, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
+        )
+        covered = sum(math.prod(item.lengths) for item in items)
+        if covered != target.numel():
+            raise ConversionError(
+                f"{self.path / 'model'}: the saved chunks of {key!r} cover {covered} of "
+                f"{target.numel()} elements of the requested slice; the shards do not match "
+                f"the checkpoint's layout {self.state.get('layout')}"
+            )
+        self._reader.read_data(LoadPlan(items), planner).wait()
+        return target[0] if index is not None else target
+
+
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+class SafetensorsWriter:
+    """Writes ``entries`` ([(name, shape, dtype)], in write order) as safetensors shards.
+
+    The headers are known before any data, so each tensor goes to disk as it is produced;
+    ``write`` must be called once per entry, in order. One file ``model.safetensors`` when
+    everything fits in ``max_shard_bytes``, else ``model-0000i-of-0000n.safetensors`` plus
+    ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, folder, entries: Iterable, *, max_shard_bytes: int, metadata=None):
+        self.folder = Path(folder)
+        self.entries = [(n, tuple(s), d) for n, s, d in entries]
+        shards, current, size = [], [], 0
+        for entry in self.entries:
+            nbytes = math.prod(entry[1]) * entry[2].itemsize
+            if current and size + nbytes > max_shard_bytes:
+                shards.append(current)
+                current, size = [], 0
+            current.append(entry)
+            size += nbytes
+        shards.append(current)
+        n = len(shards)
+        self.files = ["model.safetensors"] if n == 1 else [
+            f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.shards = shards
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self._next = 0  # index into self.entries
+        self._shard = -1
+        self._fh = None
+        self._left_in_shard = 0
+
+    def _open_next_shard(self) -> None:
+        if self._fh:
+            self._fh.close()
+        self._shard += 1
+        header, offset = {"__metadata__": self.metadata}, 0
+        for name, shape, dtype in self.shards[self._shard]:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._fh = open(self.folder / self.files[self._shard], "wb")
+        self._fh.write(struct.pack("<Q", len(raw)) + raw)
+        self._left_in_shard = len(self.shards[self._shard])
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, shape, dtype = self.entries[self._next]
+        if name != want_name or tuple(tensor.shape) != shape:
+            raise RuntimeError(f"expected {want_name} {shape}, got {name} {tuple(tensor.shape)}")
+        if self._left_in_shard == 0:
+            self._open_next_shard()
+        data = tensor.detach().to("cpu", dtype).contiguous()
+        self._fh.write(data.view(torch.uint8).numpy().data if data.numel() else b"")
+        self._next += 1
+        self._left_in_shard -= 1
+
+    def close(self) -> None:
+        if self._next != len(self.entries):
+            raise RuntimeError(f"{len(self.entries) - self._next} tensors were never written")
+        if self._fh:
+            self._fh.close()
+        if len(self.files) > 1:
+            weight_map = {name: self.files[i] for i, shard in enumerate(self.shards) for name, _, _ in shard}
+            total = sum(math.prod(s) * d.itemsize for _, s, d in self.entries)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")

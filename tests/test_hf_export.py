@@ -1,0 +1,253 @@
+"""Hugging Face export and import: logits and greedy generation equal megatron-core's, the round
+trip restores every tensor, the tokenizer is the preprocessing one, bad inputs fail clearly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from aoe_megatron.hf.checkpoint_io import CheckpointReader, ConversionError
+from aoe_megatron.hf.convert import export_to_hf, import_from_hf
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "assets" / "corpus" / "shakespeare.jsonl"
+MIXED_TEXT = "  Two  leading spaces,\tthen   runs of spaces; digits 0 12 345 6789 and 3.14159;\n\n" \
+             "unicode: café, naïve, Ærø, 日本語, emoji 🙂, <s> and </s> as text.  "
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """60 documents of the demo corpus, tokenized with BOS prepended (the policy export must carry)."""
+    from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
+
+    root = tmp_path_factory.mktemp("corpus")
+    src = root / "docs.jsonl"
+    with open(CORPUS) as fh:
+        src.write_text("".join(next(fh) for _ in range(60)))
+    preprocess(PreprocessConfig(inputs=(str(src),), output_prefix=str(root / "d"), append_eod=True,
+                                prepend_bos=True, workers=0, log_interval=1e9))
+    data = root / "data.yaml"
+    data.write_text(f"blend:\n  - {{prefix: {root / 'd_text_document'}, weight: 1}}\nsplit: '90,10,0'\n")
+    return {"root": root, "data": data, "src": src, "prefix": root / "d_text_document"}
+
+
+_TRAINED: dict = {}
+
+
+def trained_checkpoint(arch: str, corpus, tmp_path_factory) -> Path:
+    """A tiny model of ``arch`` trained 3 steps at EP=2 over two processes (ZeRO-1)."""
+    if arch not in _TRAINED:
+        from aoe_megatron.distributed import free_port
+
+        out = tmp_path_factory.mktemp(f"train_{arch}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_port", str(free_port()), "-m", "aoe_megatron.train", "--preset", "tiny",
+               "--arch", arch, "--data", str(corpus["data"]), "--expert-parallel-size", "2",
+               "--train-steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
+               "--warmup-steps", "1", "--eval-interval", "100", "--zero-stage", "1",
+               "--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run")]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _TRAINED[arch] = out / "ckpt" / "step_00000003"
+    return _TRAINED[arch]
+
+
+def megatron_model(step_dir: Path):
+    from aoe_megatron.model import ModelConfig, build_gpt_model, transformer_config
+    from aoe_megatron.train.checkpoint import load_model_weights
+
+    cfg = ModelConfig.from_dict(json.loads((step_dir / "state.json").read_text())["config"]["model"])
+    model = build_gpt_model(cfg, transformer_config(cfg), use_te=False)
+    load_model_weights(step_dir, model)
+    return model.eval()
+
+
+def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, positions, None).float()
+
+
+def megatron_greedy(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    for _ in range(steps):  # no KV cache: the whole sequence each step
+        ids = torch.cat([ids, megatron_logits(model, ids)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids
+
+
+def _prompt_ids(corpus, tokenizer, n: int = 2, length: int = 24) -> torch.Tensor:
+    lines = corpus["src"].read_text().splitlines()
+    texts = [json.loads(line)["text"] for line in lines[5:5 + n]]
+    return torch.tensor([tokenizer(t)["input_ids"][:length] for t in texts])
+
+
+def _all_tensors(step_dir: Path) -> dict:
+    reader = CheckpointReader(step_dir)
+    return {key: reader.read(key) for key in reader.tensors()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["aoe", "moe"])
+def test_export_matches_megatron_and_round_trips(arch, corpus, tmp_path, tmp_path_factory, megatron_world):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    step_dir = trained_checkpoint(arch, corpus, tmp_path_factory)
+    hf_dir = tmp_path / "hf"
+    if arch == "aoe":  # the command line once, the API otherwise
+        proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--checkpoint",
+                               str(step_dir.parent), "--output", str(hf_dir)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        export_to_hf(step_dir, hf_dir, log=None)
+    config = json.loads((hf_dir / "config.json").read_text())
+    if arch == "aoe":
+        assert config["model_type"] == "aoe" and config["auto_map"]["AutoModelForCausalLM"] == \
+            "modeling_aoe.AoEForCausalLM"
+    else:  # transformers' own Mixtral: no remote code for the model
+        assert config["model_type"] == "mixtral" and "auto_map" not in config
+        assert not (hf_dir / "modeling_aoe.py").exists()
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=True)
+    ids = _prompt_ids(corpus, tokenizer)
+    assert (ids[:, 0] == tokenizer.bos_token_id).all()  # the manifest's BOS policy
+    reference = megatron_model(step_dir)
+    want = megatron_logits(reference, ids)
+    for attn in ("eager", "sdpa"):
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, trust_remote_code=True, attn_implementation=attn,
+                                                  dtype=torch.float32).eval()
+        assert type(hf).__name__ == ("AoEForCausalLM" if arch == "aoe" else "MixtralForCausalLM")
+        with torch.no_grad():
+            got = hf(ids).logits
+        assert (got - want).abs().max().item() <= 1e-4, attn
+
+    # greedy generation of 20 tokens: HF with its KV cache, megatron recomputing everything
+    generated = hf.generate(ids[:1, :12], max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                            eos_token_id=None, pad_token_id=0)
+    assert torch.equal(generated, megatron_greedy(reference, ids[:1, :12], 20))
+
+    back = import_from_hf(hf_dir, tmp_path / "back", log=None)
+    original, restored = _all_tensors(step_dir), _all_tensors(back)
+    assert original.keys() == restored.keys()
+    for key, value in original.items():
+        assert restored[key].dtype == value.dtype and torch.equal(restored[key], value), key
+    assert torch.equal(megatron_logits(megatron_model(back), ids), want)
+
+
+@pytest.mark.slow
+def test_sharded_safetensors_load_the_same(corpus, tmp_path, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    step_dir = trained_checkpoint("aoe", corpus, tmp_path_factory)
+    export_to_hf(step_dir, tmp_path / "one", log=None)
+    export_to_hf(step_dir, tmp_path / "many", max_shard_bytes=2**18, log=None)
+    index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    ids = torch.tensor([[1, 415, 2936, 9060, 285, 1142]])
+    one, many = (AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True)
+                 for name in ("one", "many"))
+    with torch.no_grad():
+        assert torch.equal(one(ids).logits, many(ids).logits)
+
+
+def test_exported_tokenizer_is_the_preprocessing_tokenizer(corpus, tmp_path):
+    """Encodes like tools/preprocess_data.py, BOS policy included, without a checkpoint."""
+    from transformers import AutoTokenizer
+
+    from aoe_megatron.data.preprocess import read_manifest
+    from aoe_megatron.data.tokenizer import Tokenizer
+    from aoe_megatron.hf.convert import export_tokenizer
+
+    manifest = read_manifest(str(corpus["prefix"]))
+    export_tokenizer(tmp_path, manifest, vocab_size=32000)
+    hf = AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
+    sp = Tokenizer(manifest["tokenizer"]["path"])
+    ids = sp.encode([MIXED_TEXT])[0]
+    assert hf(MIXED_TEXT)["input_ids"] == [sp.bos_id] + ids
+    assert hf.encode(MIXED_TEXT, add_special_tokens=False) == ids
+    assert hf.decode(ids) == sp.decode(ids) == MIXED_TEXT
+    # and the first preprocessed document, token for token: BOS + text + EOD
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    first_text = json.loads(corpus["src"].read_text().splitlines()[0])["text"]
+    dataset = IndexedDataset(str(corpus["prefix"]))
+    stored = [int(t) for t in dataset[0]]
+    del dataset
+    assert stored == hf(first_text)["input_ids"] + [sp.eos_id]
+
+    manifest["policy"]["prepend_bos"] = False
+    nobos = tmp_path / "nobos"
+    nobos.mkdir()
+    export_tokenizer(nobos, manifest, vocab_size=32000)
+    assert AutoTokenizer.from_pretrained(nobos, trust_remote_code=True)(MIXED_TEXT)["input_ids"] == ids
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _no_partial_left(parent: Path) -> None:
+    assert not [p for p in parent.iterdir() if ".partial-" in p.name]
+
+
+@pytest.mark.slow
+def test_bad_inputs_fail_clearly_and_leave_nothing(corpus, tmp_path, tmp_path_factory):
+    from aoe_megatron.data.train_tokenizer import train_tokenizer
+
+    step_dir = trained_checkpoint("aoe", corpus, tmp_path_factory)
+    out = tmp_path / "hf"
+
+    # a missing shard file
+    broken = _copy(step_dir, tmp_path / "missing" / "step_00000003")
+    victim = sorted((broken / "model").glob("*.distcp"))[-1]
+    victim.unlink()
+    with pytest.raises(ConversionError, match=f"shard {victim}.*is missing"):
+        export_to_hf(broken, out, log=None)
+
+    # state.json's expert-parallel layout does not match the shard files
+    mismatched = _copy(step_dir, tmp_path / "layout" / "step_00000003")
+    state = json.loads((mismatched / "state.json").read_text())
+    state["layout"]["expert_parallel_size"] = 4
+    (mismatched / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConversionError, match="expert_parallel_size=4.*different runs"):
+        export_to_hf(mismatched, out, log=None)
+
+    # a tokenizer that is not the one the data was tokenized with
+    other = train_tokenizer([str(corpus["src"])], str(tmp_path / "other"), vocab_size=600)
+    with pytest.raises(ConversionError, match="is not the one the training data was tokenized with"):
+        export_to_hf(step_dir, out, tokenizer_model=other, log=None)
+    assert not out.exists()
+    _no_partial_left(tmp_path)
+
+    # the output folder exists: refused, and left as it was
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match=f"output folder {out} already exists"):
+        export_to_hf(step_dir, out, log=None)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--checkpoint", str(step_dir),
+                           "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+
+    # the reverse: a folder whose tokenizer was swapped, and an existing output
+    hf_dir = export_to_hf(step_dir, tmp_path / "good", log=None)
+    swapped = _copy(hf_dir, tmp_path / "swapped")
+    shutil.copyfile(other, swapped / "tokenizer.model")
+    with pytest.raises(ConversionError, match="tokenizer.model is not the tokenizer this model was exported with"):
+        import_from_hf(swapped, tmp_path / "ck", log=None)
+    (tmp_path / "ck").mkdir()
+    with pytest.raises(ConversionError, match="already exists"):
+        import_from_hf(hf_dir, tmp_path / "ck", log=None)
+    no_weights = _copy(hf_dir, tmp_path / "no_weights")
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ConversionError, match="neither model.safetensors"):
+        import_from_hf(no_weights, tmp_path / "ck2", log=None)
+    assert not (tmp_path / "ck2").exists()
+    _no_partial_left(tmp_path)
