@@ -24,10 +24,11 @@ setup: $(STAMP) $(ASSETS)
 assets: $(ASSETS)
 
 # torch first: deepspeed's setup.py imports it. torch==2.13.0 resolves to the local CPU wheel here.
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.txt requirements-eval.txt pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $$(grep -E '^torch==' requirements.txt)
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation -r requirements.txt
+	$(PY) -m pip install --quiet -r requirements-eval.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
 
