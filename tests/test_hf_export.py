@@ -4,6 +4,7 @@ trip restores every tensor, the tokenizer is the preprocessing one, bad inputs f
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -172,6 +173,7 @@ def test_exported_tokenizer_is_the_preprocessing_tokenizer(corpus, tmp_path):
     assert hf(MIXED_TEXT)["input_ids"] == [sp.bos_id] + ids
     assert hf.encode(MIXED_TEXT, add_special_tokens=False) == ids
     assert hf.decode(ids) == sp.decode(ids) == MIXED_TEXT
+    assert hf.decode([sp.bos_id] + ids, skip_special_tokens=True) == MIXED_TEXT
     # and the first preprocessed document, token for token: BOS + text + EOD
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -251,3 +253,84 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(corpus, tmp_path, tmp_path_fa
         import_from_hf(no_weights, tmp_path / "ck2", log=None)
     assert not (tmp_path / "ck2").exists()
     _no_partial_left(tmp_path)
+
+
+_SAVE_BIG = """
+import sys, json, torch
+from pathlib import Path
+from megatron.core import dist_checkpointing
+from aoe_megatron.distributed import init_megatron
+from aoe_megatron.model import load_preset, build_gpt_model, transformer_config
+from dataclasses import asdict
+init_megatron()
+hidden = int(sys.argv[3])
+cfg = load_preset("tiny", num_layers=8, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=4 * hidden,
+                  num_experts=8, top_k=2)
+model = build_gpt_model(cfg, transformer_config(cfg, perform_initialization=False), use_te=False)
+step = Path(sys.argv[1]) / "step_00000001"
+(step / "model").mkdir(parents=True)
+dist_checkpointing.save(model.sharded_state_dict(), str(step / "model"))
+state = {"step": 1, "consumed_samples": 0, "config": {"model": asdict(cfg), "train": {"data": sys.argv[2]}},
+         "layout": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
+(step / "state.json").write_text(json.dumps(state))
+"""
+
+_PEAK = """
+import resource, sys
+import torch, transformers, sentencepiece, safetensors
+from aoe_megatron.hf import convert, checkpoint_io
+from torch.distributed.checkpoint import FileSystemReader
+convert.export_to_hf(sys.argv[1], sys.argv[2] + "-warmup", log=None)  # imports, caches
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+convert.export_to_hf(sys.argv[3], sys.argv[2], log=None)
+print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+@pytest.mark.slow
+def test_export_memory_stays_near_one_layer_slice(corpus, tmp_path):
+    """A 0.9 GB checkpoint exports with a peak far below its size (streaming, not loading)."""
+    run = lambda *a: subprocess.run([sys.executable, "-c", *a], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=600)
+    for name, hidden in (("small", "64"), ("ckpt", "512")):
+        proc = run(_SAVE_BIG, str(tmp_path / name), str(corpus["data"]), hidden)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    size = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*.distcp"))
+    reader = CheckpointReader(tmp_path / "ckpt" / "step_00000001")
+    largest_slice = max(math.prod(s[1:]) if k.startswith("decoder.layers.") else math.prod(s)
+                        for k, s in reader.tensors().items()) * 4
+    proc = run(_PEAK, str(tmp_path / "small" / "step_00000001"), str(tmp_path / "hf"),
+               str(tmp_path / "ckpt" / "step_00000001"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before, peak = (int(x) * 1024 for x in proc.stdout.split()[-2:])
+    grew = peak - before
+    print(f"checkpoint {size / 2**20:.0f} MiB, largest slice {largest_slice / 2**20:.0f} MiB, "
+          f"export grew the peak RSS by {grew / 2**20:.0f} MiB")
+    assert size > 800 * 2**20
+    assert grew < 4 * largest_slice + 150 * 2**20 < size / 2
+
+
+@pytest.mark.slow
+def test_exported_aoe_model_runs_the_evaluation(corpus, tmp_path, tmp_path_factory):
+    """tools/evaluate.py's harness on the exported AoE folder: a zero-shot multiple-choice task and
+    a 3-shot task, offline, and lm-eval encodes with the training data's BOS policy."""
+    from aoe_megatron.evaluation.harness import EvalConfig, run_evaluation
+    from tests.test_evaluate import _rows
+
+    hf_dir = export_to_hf(trained_checkpoint("aoe", corpus, tmp_path_factory), tmp_path / "hf", log=None)
+    data = tmp_path / "eval_data"
+    for task, split, n in (("arc_easy", "test", 4), ("sst2", "validation", 4), ("sst2", "train", 6)):
+        (data / task).mkdir(parents=True, exist_ok=True)
+        (data / task / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(task, split, n)))
+    run = run_evaluation(EvalConfig(model=hf_dir, data_dir=data, output=tmp_path / "eval", device="cpu",
+                                    tasks=("arc_easy", "sst2"), datasets_cache=tmp_path / "cache"))
+    assert run.summary["tasks"]["sst2"]["num_fewshot"] == 3 and run.summary["tasks"]["arc_easy"]["n"] == 4
+    for task in ("arc_easy", "sst2"):
+        records = [json.loads(x) for x in (tmp_path / "eval" / "samples" / f"{task}.jsonl").read_text().splitlines()]
+        assert sum(r["correct"] for r in records) / len(records) == pytest.approx(run.summary["tasks"][task]["acc"])
+
+    # lm-eval's own model wrapper on this folder puts BOS first, as training did
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(hf_dir), trust_remote_code=True, device="cpu", batch_size=1)
+    assert lm.tok_encode("Question: hot?")[0] == lm.tokenizer.bos_token_id == 1

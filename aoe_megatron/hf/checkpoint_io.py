@@ -40,6 +40,22 @@ def resolve_checkpoint(path) -> Path:
     return path
 
 
+def _into_tensor_planner():
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class IntoTensor(DefaultLoadPlanner):
+        """Every read lands in one plain tensor (a slice of the global one), not a state dict."""
+
+        def __init__(self, target: torch.Tensor):
+            super().__init__()
+            self.target = target
+
+        def lookup_tensor(self, index):
+            return self.target
+
+    return IntoTensor
+
+
 class CheckpointReader:
     """Slices of the model tensors of one checkpoint (``resolve_checkpoint`` output)."""
 
@@ -60,6 +76,7 @@ class CheckpointReader:
                 f"again or convert an earlier checkpoint"
             )
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        self._planner = _into_tensor_planner()  # a class made once: no cycle holds a slice
 
     def tensors(self) -> dict:
         """Every tensor key with its global shape (non-tensor entries left out)."""
@@ -73,7 +90,6 @@ class CheckpointReader:
 
     def read(self, key: str, index: Optional[int] = None) -> torch.Tensor:
         """The global tensor ``key``, or its ``index``-th slice along axis 0 (a layer)."""
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -85,12 +101,7 @@ class CheckpointReader:
         if index is not None:
             offsets[0], sizes[0] = index, 1
         target = torch.empty(sizes, dtype=meta.properties.dtype)
-
-        class _Into(DefaultLoadPlanner):  # every read lands in ``target`` (a plain tensor)
-            def lookup_tensor(self, index):
-                return target
-
-        planner = _Into()
+        planner = self._planner(target)
         planner.set_up_planner({key: target}, self.metadata, is_coordinator=True)
         items = create_read_items_for_chunk_list(
             key, meta, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]

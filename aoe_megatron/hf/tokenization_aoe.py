@@ -65,11 +65,22 @@ class AoETokenizer(PreTrainedTokenizer):
         return self.sp_model.decode_pieces(tokens)
 
     def _decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
-        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
-        if skip_special_tokens:
-            special = set(self.all_special_ids)
-            ids = [i for i in ids if i not in special]
-        return self.sp_model.decode(ids)
+        """sentencepiece's decoding; special tokens as their text ("<s>") unless skipped."""
+        ids = [token_ids] if isinstance(token_ids, int) else [int(i) for i in token_ids]
+        special = set(self.all_special_ids)
+        pieces, run = [], []
+        for i in ids:
+            if i in special:
+                if run:
+                    pieces.append(self.sp_model.decode(run))
+                    run = []
+                if not skip_special_tokens:
+                    pieces.append(self.convert_ids_to_tokens(i))
+            else:
+                run.append(i)
+        if run:
+            pieces.append(self.sp_model.decode(run))
+        return "".join(pieces)
 
     def build_inputs_with_special_tokens(self, token_ids_0, token_ids_1=None) -> list:
         bos = [self.bos_token_id] if self.prepend_bos and self.bos_token_id is not None else []
