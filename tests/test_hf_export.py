@@ -221,6 +221,14 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(corpus, tmp_path, tmp_path_fa
     with pytest.raises(ConversionError, match="expert_parallel_size=4.*different runs"):
         export_to_hf(mismatched, out, log=None)
 
+    # state.json's model config does not describe the saved weights
+    state = json.loads((step_dir / "state.json").read_text())
+    state["config"]["model"]["aoe"]["d_low"] = 8
+    (mismatched / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConversionError, match=r"mlp.w_down would be written with shape \(64, 64\).*"
+                                              r"needs \(64, 32\)"):
+        export_to_hf(mismatched, out, log=None)
+
     # a tokenizer that is not the one the data was tokenized with
     other = train_tokenizer([str(corpus["src"])], str(tmp_path / "other"), vocab_size=600)
     with pytest.raises(ConversionError, match="is not the one the training data was tokenized with"):
@@ -290,8 +298,10 @@ print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 @pytest.mark.slow
 def test_export_memory_stays_near_one_layer_slice(corpus, tmp_path):
     """A 0.9 GB checkpoint exports with a peak far below its size (streaming, not loading)."""
+    env = {k: v for k, v in os.environ.items()  # not this process's rendezvous (session fixture)
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     run = lambda *a: subprocess.run([sys.executable, "-c", *a], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=600)
+                                    text=True, timeout=600, env=env)
     for name, hidden in (("small", "64"), ("ckpt", "512")):
         proc = run(_SAVE_BIG, str(tmp_path / name), str(corpus["data"]), hidden)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -306,6 +306,30 @@ def _hf_config(cfg, *, num_query_groups: int, d_wide: int, dtype: torch.dtype, t
     return config
 
 
+def _check_against_hf_model(config, entries, source: Path) -> None:
+    """Every tensor about to be written has the name and shape the Hugging Face model expects."""
+    if config.model_type == "aoe":
+        from aoe_megatron.hf.modeling_aoe import AoEForCausalLM as model_class
+    else:
+        from transformers import MixtralForCausalLM as model_class
+    with torch.device("meta"):
+        model = model_class(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()
+                if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    if config.model_type == "mixtral":  # transformers fuses the experts; files keep Mixtral's layout
+        expected = {k: v for k, v in expected.items() if ".mlp." not in k}
+        entries = [e for e in entries if ".block_sparse_moe." not in e[0]]
+    got = {name: shape for name, shape, _ in entries}
+    wrong = sorted(k for k in expected.keys() | got.keys() if expected.get(k) != got.get(k))
+    if wrong:
+        k = wrong[0]
+        raise ConversionError(
+            f"{source}: tensor {k} would be written with shape {got.get(k)} but the model described "
+            f"by the checkpoint's config needs {expected.get(k)} ({len(wrong)} such tensors): "
+            f"state.json's model config does not match the saved weights"
+        )
+
+
 def export_to_hf(checkpoint, out, *, data=None, manifest=None, tokenizer_model=None,
                  dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30,
                  overwrite: bool = False, log: Callable = print) -> Path:
@@ -316,23 +340,21 @@ def export_to_hf(checkpoint, out, *, data=None, manifest=None, tokenizer_model=N
     _check_exportable(cfg)
     _check_layout(reader, cfg)
     manifest_data = data_manifest(state, data=data, manifest=manifest)
-    num_query_groups = reader.shape("decoder.layers.self_attention.linear_qkv.weight")[1] // (
-        cfg.hidden_size // cfg.num_attention_heads) - cfg.num_attention_heads
-    num_query_groups //= 2
+    qkv_rows = reader.shape("decoder.layers.self_attention.linear_qkv.weight")[1]
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    num_query_groups = (qkv_rows // head_dim - cfg.num_attention_heads) // 2  # rows: (H + 2G) * Dh
     links = _links(cfg, num_query_groups)
     stored = reader.tensors()
     unused = sorted(set(stored) - {link.dist_key for link in links})
     if unused:
         raise ConversionError(f"{reader.path / 'model'} holds tensors this converter does not map: {unused}")
 
+    out_dtype = DTYPES[dtype] if dtype else reader.metadata.state_dict_metadata[links[0].dist_key].properties.dtype
     entries = []
     for link in links:
         shape = reader.shape(link.dist_key)[len(link.index):]
         meta_parts = link.split(torch.empty(shape, device="meta"))
-        src_dtype = reader.metadata.state_dict_metadata[link.dist_key].properties.dtype
-        out_dtype = DTYPES[dtype] if dtype else src_dtype
         entries += [(name, tuple(p.shape), out_dtype) for name, p in zip(link.hf, meta_parts)]
-    out_dtype = entries[0][2]
     d_wide = reader.shape("decoder.layers.mlp.experts.w_up")[-1] if cfg.arch == "aoe" else None
 
     out = Path(out)
@@ -344,6 +366,7 @@ def export_to_hf(checkpoint, out, *, data=None, manifest=None, tokenizer_model=N
                       "model": asdict(cfg), "tokenizer": tok}
         config = _hf_config(cfg, num_query_groups=num_query_groups, d_wide=d_wide, dtype=out_dtype,
                             tok=manifest_data["tokenizer"], provenance=provenance)
+        _check_against_hf_model(config, entries, reader.path)
         config.save_pretrained(str(tmp))
         if cfg.arch == "aoe":
             for name in REMOTE_CODE:
