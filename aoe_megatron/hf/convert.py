@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import socket
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -152,8 +153,10 @@ def _check_exportable(cfg) -> None:
         )
 
 
-def _prepare_output(out, overwrite: bool) -> Path:
-    out = Path(out)
+@contextmanager
+def _staged_output(out: Path, overwrite: bool):
+    """Yields ``OUT.partial-HOST-PID`` to write into; renamed to ``out`` on success, removed on
+    any failure: a conversion is published whole or not at all."""
     if out.exists() and not overwrite:
         raise ConversionError(
             f"output folder {out} already exists: choose a new path, remove it, or pass --overwrite "
@@ -162,10 +165,11 @@ def _prepare_output(out, overwrite: bool) -> Path:
     tmp = out.parent / f"{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
@@ -358,8 +362,7 @@ def export_to_hf(checkpoint, out, *, data=None, manifest=None, tokenizer_model=N
     d_wide = reader.shape("decoder.layers.mlp.experts.w_up")[-1] if cfg.arch == "aoe" else None
 
     out = Path(out)
-    tmp = _prepare_output(out, overwrite)
-    try:
+    with _staged_output(out, overwrite) as tmp:
         tok = export_tokenizer(tmp, manifest_data, tokenizer_model=tokenizer_model, vocab_size=cfg.vocab_size)
         provenance = {"checkpoint": str(reader.path.resolve()), "step": state.get("step"),
                       "consumed_samples": state.get("consumed_samples"), "layout": state.get("layout"),
@@ -380,10 +383,6 @@ def export_to_hf(checkpoint, out, *, data=None, manifest=None, tokenizer_model=N
             if log and link.param.endswith("pre_mlp_layernorm.weight"):
                 log(f"  layer {link.index[0] + 1}/{cfg.num_layers}")
         writer.close()
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if log:
         log(f"wrote {out} ({cfg.arch}: {len(entries)} tensors in {len(writer.files)} file(s), {out_dtype})")
     return out
@@ -444,8 +443,9 @@ class _HFTensors:
 def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = print) -> Path:
     """Convert a Hugging Face folder (exported AoE, or Mixtral) into a training checkpoint.
 
-    ``out`` becomes a ``--ckpt-dir``: ``out/step_N`` (N = the exported step, else 0) and
-    ``out/latest``; train from it with ``--load-weights out/step_N`` at any EP size. Memory: the
+    Writes ``out/step_N`` (N = the exported step, else 0), model weights only, and no ``latest``
+    (there is no optimizer state to resume): train from it with ``--load-weights out/step_N`` at
+    any EP size (``--ckpt-dir out`` then adds the new run's checkpoints beside it). Memory: the
     model once (it is built, filled, and saved by megatron-core's distributed checkpointing).
     """
     import torch.distributed as dist
@@ -461,9 +461,8 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
     cfg = _model_config_checked(folder, config)
     tensors = _HFTensors(folder)
     dtype = tensors.get("model.embed_tokens.weight").dtype
-    tmp = _prepare_output(out, overwrite)
     out = Path(out)
-    try:
+    with _staged_output(out, overwrite) as tmp:
         owns_group = not dist.is_initialized()  # else: a caller's world of size 1 (tests)
         if not owns_group and dist.get_world_size() != 1:
             raise ConversionError("import_from_hf runs in a single process")
@@ -504,11 +503,6 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
                  "config": {"model": asdict(cfg), "train": {"imported_from": str(folder.resolve())}},
                  "weights_only": True}
         (step_dir / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-        (tmp / "latest").write_text(step_dir.name + "\n")
-        _publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if log:
         log(f"wrote {out / step_dir.name}: continue pretraining with --load-weights {out / step_dir.name}")
     return out / step_dir.name
