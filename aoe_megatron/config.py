@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
 from aoe_megatron.ops import NORM_ORDERS, d_wide_for_parity
-from aoe_megatron.selection import selection_strategies
+from aoe_megatron.selection import select_experts, selection_strategies
 
 CACHE_MODES = ("send", "recompute")
+RANK_SOURCES = ("cache", "frozen_random", "router")
 DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -31,7 +32,20 @@ class AoEConfig:
     norm: str = "l2"
     """Norm that ranks experts: "l2" (paper), "l1" or "linf" (Appendix A)."""
     weight_mode: str = "topk_softmax"
-    """Selection strategy: "topk_softmax" (Algorithm 2) or "softmax_topk" (authors' release)."""
+    """Selection strategy (aoe_megatron.selection): "topk_softmax" (Algorithm 2), "softmax_topk"
+    (authors' release), "top_p", "expert_choice", "random" (the review's control (a))."""
+    selection_options: dict = field(default_factory=dict)
+    """Keyword options of the strategy: {"p": 0.6} for top_p, {"capacity_factor": 2.0} for
+    expert_choice."""
+    rank_source: str = "cache"
+    """What experts are ranked by: "cache" (||x W_down^i||, the paper), "frozen_random" (the
+    review's control (b): ||x F^i|| for a random F that is never trained; W_down still computes
+    the experts' output) or "router" (a linear router's logits: the paper's Config 3)."""
+    ent_conf_coeff: float = 0.0
+    """Weight of the Ent_conf regularizer (mean entropy of the softmax over all experts' norms;
+    1e-4 with top-P, after Huang et al. 2024)."""
+    input_jitter: float = 0.0
+    """Switch jitter: in training, the layer input is multiplied by U(1 - eps, 1 + eps) noise."""
     alpha_aux: float = 0.01
     """Weight of the load-balancing loss of Eq. 6; 0 disables it."""
     cache_mode: str = "send"
@@ -76,6 +90,19 @@ class AoEConfig:
                 f"unknown AoE selection strategy {self.weight_mode!r}; "
                 f"choose one of {selection_strategies()}."
             )
+        try:  # the strategy accepts its options (a two-token dry run)
+            import torch
+
+            select_experts(torch.zeros(2, self.num_experts), strategy=self.weight_mode,
+                           top_k=self.top_k, **self.selection_options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"AoE selection_options {self.selection_options} for {self.weight_mode!r}: {exc}"
+            ) from None
+        if self.rank_source not in RANK_SOURCES:
+            raise ValueError(f"unknown AoE rank_source {self.rank_source!r}; choose one of {RANK_SOURCES}.")
+        if not self.ent_conf_coeff >= 0 or not 0 <= self.input_jitter < 1:
+            raise ValueError("AoE ent_conf_coeff must be >= 0 and input_jitter in [0, 1).")
         if not self.alpha_aux >= 0:
             raise ValueError(f"AoE alpha_aux must be >= 0, got {self.alpha_aux!r}.")
         if self.cache_mode not in CACHE_MODES:
@@ -106,7 +133,8 @@ MEGATRON_FIELD_MAP = {
     "dispatcher": "moe_token_dispatcher_type",
     "expert_parallel_size": "expert_model_parallel_size",
 }
-AOE_ONLY_FIELDS = ("d_low", "d_wide", "norm", "weight_mode", "cache_mode")
+AOE_ONLY_FIELDS = ("d_low", "d_wide", "norm", "weight_mode", "selection_options", "rank_source",
+                   "ent_conf_coeff", "input_jitter", "cache_mode")
 
 
 def from_transformer_config(tc, **aoe_fields) -> AoEConfig:

@@ -25,8 +25,40 @@ class AoESettings:
     """Expert-ranking norm: l2, l1 or linf."""
     weight_mode: str = "topk_softmax"
     """Selection strategy name (see aoe_megatron.selection)."""
+    selection_options: dict = field(default_factory=dict)
+    """The strategy's options, e.g. {p: 0.6} for top_p, {capacity_factor: 2.0} for expert_choice."""
+    rank_source: str = "cache"
+    """"cache" (the paper), "frozen_random" (the review's frozen-W_down control) or "router"
+    (a linear router selects among AoE experts: the paper's Config 3, "factorized W_g")."""
+    ent_conf_coeff: float = 0.0
+    """Ent_conf regularizer weight (1e-4 with top-P)."""
+    input_jitter: float = 0.0
+    """Switch jitter on the layer input (training only)."""
     cache_mode: str = "send"
     """"send" the cache slice with each token, or "recompute" it at the expert."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterSettings:
+    """The traditional-MoE router (arch "moe"); the defaults are megatron-core's own TopKRouter."""
+
+    gate: str = "linear"
+    """"linear" (x W_g) or "two_layer" (the paper's Config 4: SiLU(x W_1) W_2, W_1 with
+    n * d_low * d_model parameters)."""
+    hidden_per_expert: int = 0
+    """two_layer: W_1's width per expert (the paper: d_low)."""
+    weight_mode: str = "topk_softmax"
+    """Selection strategy (aoe_megatron.selection) over the router logits."""
+    selection_options: dict = field(default_factory=dict)
+    ent_conf_coeff: float = 0.0
+    input_jitter: float = 0.0
+    """Switch jitter on the router input (training only)."""
+
+    @property
+    def is_stock(self) -> bool:
+        """megatron-core's TopKRouter computes this router (the baseline uses it as is)."""
+        return (self.gate == "linear" and self.weight_mode == "topk_softmax"
+                and not self.selection_options and self.ent_conf_coeff == 0 and self.input_jitter == 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +83,8 @@ class ModelConfig:
     """Load-balancing loss weight (Eq. 2 for MoE, Eq. 6 for AoE); 0 disables it."""
     dispatcher: str = "alltoall"
     aoe: AoESettings = field(default_factory=AoESettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    """arch "moe" only: the router variant (the default is megatron-core's TopKRouter)."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -69,6 +103,18 @@ class ModelConfig:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}.")
         if self.arch == "aoe":
             self.aoe_config()  # validates the AoE settings
+            if self.router != RouterSettings():
+                raise ValueError("router settings apply to arch 'moe' only (AoE has no router; "
+                                 "see aoe.rank_source)")
+        elif not self.router.is_stock:
+            self.router_config()  # validates the router variant
+
+    def router_config(self):
+        """The traditional-MoE router variant (aoe_megatron.moe_router.RouterConfig)."""
+        from aoe_megatron.moe_router import RouterConfig
+
+        return RouterConfig(num_experts=self.num_experts, top_k=self.top_k, d_model=self.hidden_size,
+                            alpha_aux=self.alpha_aux, **asdict(self.router))
 
     def aoe_config(self, expert_parallel_size: int = 1) -> AoEConfig:
         return AoEConfig(
@@ -84,17 +130,21 @@ class ModelConfig:
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown model settings {sorted(unknown)}; known: {sorted(known)}")
-        aoe_raw = raw.pop("aoe", None) or {}
-        aoe_known = {f.name for f in fields(AoESettings)}
-        if set(aoe_raw) - aoe_known:
-            raise ValueError(f"unknown aoe settings {sorted(set(aoe_raw) - aoe_known)}")
-        return cls(aoe=AoESettings(**aoe_raw), **raw)
+        sections = {}
+        for name, settings_cls in (("aoe", AoESettings), ("router", RouterSettings)):
+            section = raw.pop(name, None) or {}
+            unknown = set(section) - {f.name for f in fields(settings_cls)}
+            if unknown:
+                raise ValueError(f"unknown {name} settings {sorted(unknown)}")
+            sections[name] = settings_cls(**section)
+        return cls(**sections, **raw)
 
     def with_overrides(self, **changes) -> "ModelConfig":
         raw = asdict(self)
-        aoe_changes = changes.pop("aoe", {}) or {}
+        nested = {name: changes.pop(name, {}) or {} for name in ("aoe", "router")}
         raw.update(changes)
-        raw["aoe"] = {**raw["aoe"], **aoe_changes}
+        for name, section in nested.items():
+            raw[name] = {**raw[name], **section}
         return ModelConfig.from_dict(raw)
 
 
@@ -185,7 +235,8 @@ def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None)
         aoe = from_transformer_config(tc, **asdict(cfg.aoe))
         spec = aoe_layer_spec(aoe, use_te=use_te)
     else:
-        spec = moe_layer_spec(cfg.num_experts, use_te=use_te)
+        router = None if cfg.router.is_stock else cfg.router_config()
+        spec = moe_layer_spec(cfg.num_experts, use_te=use_te, router=router)
     model = GPTModel(
         config=tc,
         transformer_layer_spec=spec,

@@ -34,7 +34,9 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
     attention = 4 * d * d  # fused QKV (3 d^2, no GQA) + output projection (d^2), no biases
     norms = 2 * d  # input RMSNorm + pre-MLP RMSNorm
     if cfg.arch == "moe":
-        router = e * d
+        router = e * d  # megatron-core's linear router [E, D]
+        if cfg.router.gate == "two_layer":  # Config 4: W_1 [D, E * h], W_2 [E * h, E]
+            router = e * cfg.router.hidden_per_expert * (d + e)
         expert = 3 * d * f  # SwiGLU: gate and up [d, f], down [f, d]
         layer_total = attention + norms + router + e * expert
         layer_active = attention + norms + router + k * expert
@@ -45,10 +47,12 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
         r, w = aoe.d_low, aoe.resolved_d_wide
         w_down = d * r
         expert_rest = r * w + 2 * d * w  # W_up [r, w], W_p [d, w], W_o [w, d]
-        layer_total = attention + norms + e * (w_down + expert_rest)
-        layer_active = attention + norms + k * (w_down + expert_rest)
-        layer_all_caches = attention + norms + e * w_down + k * expert_rest
-        experts = {"w_down": w_down, "expert_without_w_down": expert_rest, "d_wide": w}
+        router = e * d if aoe.rank_source == "router" else 0  # Config 3's linear router
+        layer_total = attention + norms + router + e * (w_down + expert_rest)
+        layer_active = attention + norms + router + k * (w_down + expert_rest)
+        layer_all_caches = attention + norms + router + e * w_down + k * expert_rest
+        experts = {"w_down": w_down, "expert_without_w_down": expert_rest, "d_wide": w,
+                   "router": router}
     embedding = cfg.vocab_size * d
     output_layer = 0 if cfg.tie_embeddings else embedding
     final_norm = d

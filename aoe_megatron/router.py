@@ -24,24 +24,91 @@ from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.selection import select_experts
 
 
-class AoERouter(MegatronModule):
-    """Owns W_down of all experts, replicated on every rank: [d_model, E * d_low]."""
+class SelectionRouter(MegatronModule):
+    """Scores [T, E] -> a registered selection strategy -> (probs, routing_map), with L_aux (Eq. 6
+    for AoE, Eq. 2 for MoE: the same formula), the Ent_conf regularizer, Switch jitter and the
+    selection statistics of the last forward. ``settings`` has num_experts, top_k, weight_mode,
+    selection_options, alpha_aux, ent_conf_coeff and input_jitter (an AoEConfig, for one)."""
+
+    def __init__(self, config, settings) -> None:
+        super().__init__(config)
+        self.settings = settings
+        self.layer_number: Optional[int] = None
+        e = settings.num_experts
+        # Selection statistics of the last forward (for logging and analysis), never saved.
+        self.register_buffer("last_aux_loss", torch.zeros(()), persistent=False)
+        self.register_buffer("last_load", torch.zeros(e), persistent=False)
+        self.register_buffer("last_ent_conf", torch.zeros(()), persistent=False)
+        self.register_buffer("last_mean_norm", torch.zeros(e), persistent=False)
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def jitter(self, x: torch.Tensor) -> torch.Tensor:
+        """Switch jitter on the routing computation's input, in training (as megatron-core's
+        moe_input_jitter_eps)."""
+        eps = self.settings.input_jitter
+        if eps > 0 and self.training:
+            return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        return x
+
+    def select(self, scores_TE: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """(probs_TE, routing_map_TE) from the per-expert scores (AoE: norms; MoE: logits)."""
+        s = self.settings
+        sel = select_experts(scores_TE, strategy=s.weight_mode, top_k=s.top_k, **s.selection_options)
+        probs_TE = sel.probs_TE
+        # NOTE: as MoELayer.forward documents, padding_mask is True for *valid* tokens; padding
+        # still gets experts (shapes stay static) but counts in neither L_aux nor the statistics.
+        valid_T = None if padding_mask is None else padding_mask.reshape(-1).bool()
+        routing_kept = sel.routing_map_TE if valid_T is None else sel.routing_map_TE[valid_T]
+        probs_kept = sel.scores_TE if valid_T is None else sel.scores_TE[valid_T]
+        with torch.no_grad():
+            self.last_load.copy_(ops.load_fractions(routing_kept).to(self.last_load.dtype))
+            self.last_ent_conf.copy_(ops.confidence_entropy(probs_kept.detach()))
+            kept = scores_TE if valid_T is None else scores_TE[valid_T]
+            self.last_mean_norm.copy_(kept.detach().float().mean(0))
+        if not (self.training and torch.is_grad_enabled()):
+            return probs_TE, sel.routing_map_TE
+        if s.alpha_aux > 0:
+            aux = ops.load_balancing_loss(routing_map_TE=routing_kept, scores_TE=probs_kept,
+                                          alpha=s.alpha_aux)
+            self.last_aux_loss.copy_(aux.detach())
+            probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, aux)
+            save_to_aux_losses_tracker("load_balancing_loss", aux.detach() / s.alpha_aux,
+                                       self.layer_number, self.config.num_layers)
+        if s.ent_conf_coeff > 0:
+            # Ent_conf regularizer (Huang et al. 2024's dynamic loss): sharpen the confidence.
+            ent = (s.ent_conf_coeff * ops.confidence_entropy(probs_kept)).to(probs_TE.dtype)
+            probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, ent)
+            save_to_aux_losses_tracker("ent_conf_loss", ent.detach() / s.ent_conf_coeff,
+                                       self.layer_number, self.config.num_layers)
+        return probs_TE, sel.routing_map_TE
+
+
+class AoERouter(SelectionRouter):
+    """Owns W_down of all experts, replicated on every rank: [d_model, E * d_low].
+
+    ``rank_source`` says what ranks the experts: "cache" (||x W_down^i||, the paper),
+    "frozen_random" (||x F^i|| for a random F never trained: the review's control (b)) or
+    "router" (a linear router's logits x W_r: traditional-MoE selection over AoE's experts, the
+    paper's Config 3 "factorized W_g").
+    """
 
     def __init__(self, *, config, pg_collection=None, aoe: AoEConfig) -> None:
-        super().__init__(config)
+        super().__init__(config, aoe)
         self.aoe = aoe
-        self.layer_number: Optional[int] = None
         self.weight = torch.nn.Parameter(
             torch.empty(
                 aoe.d_model, aoe.num_experts * aoe.d_low,
                 dtype=config.params_dtype, device=target_device(config),
             )
         )
-        # Selection statistics of the last forward (for logging and analysis), never saved.
-        self.register_buffer("last_aux_loss", torch.zeros(()), persistent=False)
-        self.register_buffer("last_load", torch.zeros(aoe.num_experts), persistent=False)
-        self.register_buffer("last_ent_conf", torch.zeros(()), persistent=False)
-        self.register_buffer("last_mean_norm", torch.zeros(aoe.num_experts), persistent=False)
+        if aoe.rank_source == "frozen_random":
+            # saved with the model (a persistent buffer) so it stays fixed across restarts
+            self.register_buffer("frozen_rank_DER", torch.empty_like(self.weight.data), persistent=True)
+        elif aoe.rank_source == "router":
+            self.gate_DE = torch.nn.Parameter(torch.empty(
+                aoe.d_model, aoe.num_experts, dtype=config.params_dtype, device=target_device(config)))
         self.reset_parameters()
 
     @property
@@ -51,40 +118,31 @@ class AoERouter(MegatronModule):
     def reset_parameters(self) -> None:
         seed = draw_module_seed()
         r = self.aoe.d_low
-        for g in range(self.aoe.num_experts):
-            expert_normal_(
-                self.weight[:, g * r : (g + 1) * r], module_seed=seed, global_expert=g, slot=0,
-                std=self.config.init_method_std,
-            )
-
-    def set_layer_number(self, layer_number: int) -> None:
-        self.layer_number = layer_number
+        targets = [(self.weight, 0)]
+        if self.aoe.rank_source == "frozen_random":
+            targets.append((self.frozen_rank_DER, 1))
+        for tensor, slot in targets:
+            for g in range(self.aoe.num_experts):
+                expert_normal_(
+                    tensor[:, g * r : (g + 1) * r], module_seed=seed, global_expert=g, slot=slot,
+                    std=self.config.init_method_std,
+                )
+        if self.aoe.rank_source == "router":
+            for g in range(self.aoe.num_experts):
+                expert_normal_(self.gate_DE[:, g], module_seed=seed, global_expert=g, slot=2,
+                               std=self.config.init_method_std)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """hidden_states [S, B, D] -> (probs_TE, routing_map_TE, cache_TER)."""
-        x_TD = hidden_states.reshape(-1, self.aoe.d_model)
-        cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.weight, num_experts=self.aoe.num_experts)
-        norms_TE = ops.expert_norms(cache_TER, order=self.aoe.norm)
-        sel = select_experts(norms_TE, strategy=self.aoe.weight_mode, top_k=self.aoe.top_k)
-        probs_TE = sel.probs_TE
-        # NOTE: as MoELayer.forward documents, padding_mask is True for *valid* tokens; padding
-        # still gets experts (shapes stay static) but counts in neither L_aux nor the statistics.
-        valid_T = None if padding_mask is None else padding_mask.reshape(-1).bool()
-        routing_kept = sel.routing_map_TE if valid_T is None else sel.routing_map_TE[valid_T]
-        scores_kept = sel.scores_TE if valid_T is None else sel.scores_TE[valid_T]
-        with torch.no_grad():
-            self.last_load.copy_(ops.load_fractions(routing_kept).to(self.last_load.dtype))
-            self.last_ent_conf.copy_(ops.confidence_entropy(scores_kept.detach()))
-            norms_kept = norms_TE if valid_T is None else norms_TE[valid_T]
-            self.last_mean_norm.copy_(norms_kept.detach().float().mean(0))
-        if self.aoe.alpha_aux > 0 and self.training and torch.is_grad_enabled():
-            aux = ops.load_balancing_loss(
-                routing_map_TE=routing_kept, scores_TE=scores_kept, alpha=self.aoe.alpha_aux
-            )
-            self.last_aux_loss.copy_(aux.detach())
-            probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, aux)
-            save_to_aux_losses_tracker(
-                "load_balancing_loss", aux.detach() / self.aoe.alpha_aux, self.layer_number,
-                self.config.num_layers,
-            )
-        return probs_TE, sel.routing_map_TE, cache_TER
+        e = self.aoe.num_experts
+        x_TD = self.jitter(hidden_states.reshape(-1, self.aoe.d_model))
+        cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.weight, num_experts=e)
+        if self.aoe.rank_source == "frozen_random":
+            rank_TER = ops.low_rank_cache(x_TD.detach(), w_down_DER=self.frozen_rank_DER, num_experts=e)
+            scores_TE = ops.expert_norms(rank_TER, order=self.aoe.norm)
+        elif self.aoe.rank_source == "router":
+            scores_TE = x_TD @ self.gate_DE
+        else:
+            scores_TE = ops.expert_norms(cache_TER, order=self.aoe.norm)
+        probs_TE, routing_map_TE = self.select(scores_TE, padding_mask)
+        return probs_TE, routing_map_TE, cache_TER

@@ -83,6 +83,54 @@ def softmax_then_topk(norms_TE: torch.Tensor, *, top_k: int) -> Selection:
     return Selection(probs_TE, mask_TE, scores_TE)
 
 
+@register_selection("top_p")
+def top_p(norms_TE: torch.Tensor, *, top_k: int, p: float = 0.6) -> Selection:
+    """Top-P token choice (Huang et al. 2024, paper Appendix B): per token, the smallest set of
+    experts whose softmax probabilities reach ``p`` (at least one); weights are those
+    probabilities, not renormalised. ``top_k`` is unused: the number of experts varies."""
+    if not 0 < p <= 1:
+        raise ValueError(f"top_p needs 0 < p <= 1, got {p}")
+    scores_TE = torch.softmax(norms_TE, dim=-1)
+    sorted_TE, order_TE = torch.sort(scores_TE, dim=-1, descending=True)
+    before_TE = torch.cumsum(sorted_TE, dim=-1) - sorted_TE  # mass of the experts ranked above
+    keep_sorted_TE = before_TE < p
+    mask_TE = torch.zeros_like(keep_sorted_TE).scatter(-1, order_TE, keep_sorted_TE)
+    return Selection(scores_TE * mask_TE, mask_TE, scores_TE)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
+    """Tokens each expert takes under expert choice: capacity_factor * T / E (at least 1)."""
+    return max(1, min(num_tokens, round(capacity_factor * num_tokens / num_experts)))
+
+
+@register_selection("expert_choice")
+def expert_choice(norms_TE: torch.Tensor, *, top_k: int, capacity_factor: float = 2.0) -> Selection:
+    """Expert choice (Zhou et al. 2022): every expert takes the ``capacity_factor * T / E`` tokens
+    with the highest probability for it (softmax over experts per token); a token may get any
+    number of experts, none included. Weights are those probabilities. The choice looks at the
+    whole batch, later tokens included: a causal LM cannot decode this way (see the README)."""
+    scores_TE = torch.softmax(norms_TE, dim=-1)
+    num_tokens, num_experts = scores_TE.shape
+    capacity = expert_capacity(num_tokens, num_experts, capacity_factor)
+    top_idx_CE = torch.topk(scores_TE, k=capacity, dim=0).indices
+    mask_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter(0, top_idx_CE, True)
+    return Selection(scores_TE * mask_TE, mask_TE, scores_TE)
+
+
+@register_selection("random")
+def random_selection(norms_TE: torch.Tensor, *, top_k: int, generator=None) -> Selection:
+    """The review's control (a): K experts per token drawn uniformly at random, independent of the
+    input (equal marginal probability K/E per expert); the drawn experts are weighted by a softmax
+    over their norms, as in Algorithm 2, so W_down still learns. Draws come from ``generator`` or
+    torch's default generator (whose state activation recompute restores)."""
+    noise_TE = torch.rand(norms_TE.shape, generator=generator, device=norms_TE.device)
+    top_idx_TK = torch.topk(noise_TE, k=top_k, dim=-1).indices
+    mask_TE = torch.zeros_like(norms_TE, dtype=torch.bool).scatter(-1, top_idx_TK, True)
+    weights_TK = torch.softmax(norms_TE.gather(-1, top_idx_TK), dim=-1)
+    probs_TE = torch.zeros_like(norms_TE).scatter(-1, top_idx_TK, weights_TK)
+    return Selection(probs_TE, mask_TE, torch.softmax(norms_TE, dim=-1))
+
+
 def select_experts(norms_TE: torch.Tensor, *, strategy: str, top_k: int, **options) -> Selection:
     """Run the named strategy on per-expert norms; ``options`` go to the strategy."""
     return get_selection(strategy)(norms_TE, top_k=top_k, **options)

@@ -53,12 +53,19 @@ class EPInvariantSequentialMLP(SequentialMLP):
                            std=std_out)
 
 
-def moe_layer_spec(num_experts: int, *, use_te: bool | None = None) -> ModuleSpec:
-    """megatron-core's stock MoE transformer layer (the traditional-MoE baseline)."""
+def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None) -> ModuleSpec:
+    """megatron-core's stock MoE transformer layer (the traditional-MoE baseline); ``router`` (a
+    ``moe_router.RouterConfig``) swaps megatron-core's TopKRouter for an ablation's router."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
         use_te = use_transformer_engine()
+    if router is not None:
+        from aoe_megatron.moe_router import VariantRouter
+
+        spec = moe_layer_spec(num_experts, use_te=use_te)
+        spec.submodules.mlp.submodules.router = partial(VariantRouter, router=router)
+        return spec
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=True

@@ -140,12 +140,21 @@ def _check_exportable(cfg) -> None:
     from aoe_megatron.hf.configuration_aoe import NORM_ORDERS, WEIGHT_MODES
 
     if cfg.arch == "aoe":
+        if cfg.aoe.rank_source != "cache":
+            raise ConversionError(
+                f"rank_source={cfg.aoe.rank_source!r} is a training control; the Hugging Face AoE "
+                f"model ranks experts by their cache norm only"
+            )
         if cfg.aoe.weight_mode not in WEIGHT_MODES or cfg.aoe.norm not in NORM_ORDERS:
             raise ConversionError(
                 f"the Hugging Face AoE model implements selection {WEIGHT_MODES} with norms "
                 f"{NORM_ORDERS}; this checkpoint uses weight_mode={cfg.aoe.weight_mode!r}, "
                 f"norm={cfg.aoe.norm!r}"
             )
+    elif not cfg.router.is_stock:
+        raise ConversionError(
+            f"router variant {cfg.router} has no Mixtral equivalent: only the stock router exports"
+        )
     elif cfg.top_k == 1:
         raise ConversionError(
             "top-1 stock MoE cannot be exported as Mixtral: megatron-core weights the expert by its "

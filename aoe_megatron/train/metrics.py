@@ -49,9 +49,9 @@ def selection_stats(model, stock_stats=()) -> dict:
     """Per MoE layer, averaged over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load,
     Ent_conf (Eq. 8), each expert's mean activation norm (AoE; the paper's Figure 4) or mean
     router logit (stock MoE), and L_aux (AoE)."""
-    from aoe_megatron.router import AoERouter
+    from aoe_megatron.router import SelectionRouter
 
-    routers = [m for m in model.modules() if isinstance(m, AoERouter)] or list(stock_stats)
+    routers = [m for m in model.modules() if isinstance(m, SelectionRouter)] or list(stock_stats)
     if not routers:
         return {}
     packed = torch.stack([torch.cat([r.last_load.float().cpu(), r.last_mean_norm.float().cpu(),

@@ -1,0 +1,89 @@
+"""Routers for the traditional-MoE variants of the paper's ablations (stock megatron-core experts).
+
+``VariantRouter`` replaces megatron-core's ``TopKRouter`` in an ``MoELayer`` when a preset asks
+for something that router lacks: a registered selection strategy other than top-K ("top_p",
+"expert_choice", "random"), the Ent_conf regularizer, or the paper's Config 4 large router
+(d_model -> n * d_low -> n). With the linear gate and "topk_softmax" it computes what TopKRouter
+computes (top-K of the logits, softmax over them), which the tests check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
+from aoe_megatron.router import SelectionRouter
+from aoe_megatron.selection import select_experts, selection_strategies
+
+GATES = ("linear", "two_layer")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """A traditional-MoE router: its gate and its selection (field names as AoEConfig's)."""
+
+    num_experts: int
+    top_k: int
+    d_model: int
+    gate: str = "linear"
+    """"linear" (x W_g, W_g: d_model x n) or "two_layer" (SiLU(x W_1) W_2 with W_1: d_model x
+    (n * hidden_per_expert), the paper's Config 4 "large router")."""
+    hidden_per_expert: int = 0
+    """Config 4: d_low, so that W_1 has n * d_low * d_model parameters, as many as AoE's W_down."""
+    weight_mode: str = "topk_softmax"
+    selection_options: dict = field(default_factory=dict)
+    alpha_aux: float = 0.01
+    ent_conf_coeff: float = 0.0
+    input_jitter: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise ValueError(f"unknown router gate {self.gate!r}; choose one of {GATES}")
+        if self.gate == "two_layer" and self.hidden_per_expert <= 0:
+            raise ValueError("the two_layer router needs hidden_per_expert > 0 (the paper: d_low)")
+        if self.weight_mode not in selection_strategies():
+            raise ValueError(f"unknown selection strategy {self.weight_mode!r}; "
+                             f"choose one of {selection_strategies()}")
+        try:
+            select_experts(torch.zeros(2, self.num_experts), strategy=self.weight_mode,
+                           top_k=self.top_k, **self.selection_options)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"selection_options {self.selection_options}: {exc}") from None
+        if not (self.alpha_aux >= 0 and self.ent_conf_coeff >= 0 and 0 <= self.input_jitter < 1):
+            raise ValueError("alpha_aux and ent_conf_coeff must be >= 0, input_jitter in [0, 1)")
+
+
+class VariantRouter(SelectionRouter):
+    """A replicated gate producing logits [T, E], then a registered selection strategy."""
+
+    def __init__(self, *, config, pg_collection=None, router: RouterConfig) -> None:
+        super().__init__(config, router)
+        self.router_config = router
+        dev, dtype = target_device(config), config.params_dtype
+        d, e = router.d_model, router.num_experts
+        if router.gate == "linear":
+            # megatron-core's TopKRouter layout and name: weight [E, D]
+            self.weight = torch.nn.Parameter(torch.empty(e, d, dtype=dtype, device=dev))
+        else:
+            h = e * router.hidden_per_expert
+            self.w1 = torch.nn.Parameter(torch.empty(h, d, dtype=dtype, device=dev))
+            self.w2 = torch.nn.Parameter(torch.empty(e, h, dtype=dtype, device=dev))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        seed = draw_module_seed()
+        std = self.config.init_method_std
+        for slot, p in enumerate(self.parameters()):
+            expert_normal_(p.data, module_seed=seed, global_expert=0, slot=slot, std=std)
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.router_config.gate == "linear":
+            return x_TD @ self.weight.t()
+        return torch.nn.functional.silu(x_TD @ self.w1.t()) @ self.w2.t()
+
+    def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        x_TD = self.jitter(hidden_states.reshape(-1, self.router_config.d_model))
+        return self.select(self.logits(x_TD), padding_mask)

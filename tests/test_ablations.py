@@ -1,0 +1,220 @@
+"""The paper's ablations and the review's controls: each strategy's defining property, and every
+ablation preset (shrunk to CPU size, variant settings kept) trains a step at EP=1 and EP=2."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from aoe_megatron import ops
+from aoe_megatron.selection import expert_capacity, select_experts
+from tests.helpers import build_aoe_layer, make_transformer_config, run_distributed
+
+ABLATIONS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "run" / "presets" / "ablations").glob("*.yaml"))
+
+
+def test_top_p_selects_the_smallest_set_reaching_p():
+    torch.manual_seed(0)
+    norms = torch.randn(300, 8, dtype=torch.float64) * 2
+    sel = select_experts(norms, strategy="top_p", top_k=2, p=0.6)
+    probs = torch.softmax(norms, dim=-1)
+    for t in range(norms.shape[0]):  # reference: add experts by probability until the mass reaches p
+        order = sorted(range(8), key=lambda e: -probs[t, e].item())
+        chosen, mass = [], 0.0
+        for e in order:
+            chosen.append(e)
+            mass += probs[t, e].item()
+            if mass >= 0.6:
+                break
+        assert set(torch.nonzero(sel.routing_map_TE[t]).flatten().tolist()) == set(chosen)
+        assert torch.allclose(sel.probs_TE[t], probs[t] * sel.routing_map_TE[t])
+    sizes = sel.routing_map_TE.sum(-1)
+    assert sizes.min() >= 1 and sizes.max() > sizes.min()  # a varying number of experts
+
+
+def test_expert_choice_gives_every_expert_exactly_its_capacity():
+    torch.manual_seed(1)
+    norms = torch.randn(64, 8)
+    sel = select_experts(norms, strategy="expert_choice", top_k=2, capacity_factor=2.0)
+    capacity = expert_capacity(64, 8, 2.0)
+    assert capacity == 16  # 25% of the batch's tokens per expert
+    assert sel.routing_map_TE.sum(0).tolist() == [capacity] * 8
+    scores = torch.softmax(norms, dim=-1)
+    for e in range(8):  # each expert's tokens are its highest-scoring ones
+        mine = scores[sel.routing_map_TE[:, e], e]
+        others = scores[~sel.routing_map_TE[:, e], e]
+        assert mine.min() >= others.max()
+    assert torch.equal(sel.probs_TE, scores * sel.routing_map_TE)
+
+
+def test_random_control_ignores_the_input_and_is_uniform():
+    a, b = torch.randn(50, 8), torch.randn(50, 8) * 10
+    torch.manual_seed(3)
+    sel_a = select_experts(a, strategy="random", top_k=2)
+    torch.manual_seed(3)
+    sel_b = select_experts(b, strategy="random", top_k=2)
+    assert torch.equal(sel_a.routing_map_TE, sel_b.routing_map_TE)  # the input changed, not the choice
+    big = select_experts(torch.randn(40000, 8), strategy="random", top_k=2)
+    assert (big.routing_map_TE.sum(-1) == 2).all()
+    load = big.routing_map_TE.float().mean(0)
+    assert torch.allclose(load, torch.full((8,), 0.25), atol=0.01)  # equal marginal K/E
+    assert torch.allclose(big.probs_TE.sum(-1), torch.ones(40000))
+
+
+def test_frozen_random_ranking_is_never_updated(megatron_world):
+    tc = make_transformer_config(d_model=16, d_ffn=32, num_experts=4, top_k=2)
+    torch.manual_seed(0)
+    layer = build_aoe_layer(tc, d_low=4, rank_source="frozen_random", alpha_aux=0.01)
+    router = layer.router
+    frozen, w_down = router.frozen_rank_DER.clone(), router.weight.detach().clone()
+    assert "frozen_rank_DER" not in dict(layer.named_parameters())
+    assert "router.frozen_rank_DER" in layer.state_dict()  # saved with the model
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(6, 2, 16)
+        out, _ = layer(x)
+        out.square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(router.frozen_rank_DER, frozen)
+    assert not torch.equal(router.weight.detach(), w_down)
+    # the ranking is the frozen matrix's: top-K of ||x F^i||
+    x = torch.randn(10, 16)
+    layer.eval()
+    _, routing_map, _ = router(x.view(10, 1, 16))
+    want = torch.topk(ops.expert_norms(ops.low_rank_cache(x, w_down_DER=frozen, num_experts=4)), 2).indices
+    assert torch.equal(routing_map, torch.zeros(10, 4, dtype=torch.bool).scatter(-1, want, True))
+
+
+def test_config3_router_selects_among_aoe_experts(megatron_world):
+    tc = make_transformer_config(d_model=16, d_ffn=32, num_experts=4, top_k=2)
+    layer = build_aoe_layer(tc, d_low=4, rank_source="router", alpha_aux=0.01)
+    x = torch.randn(12, 16)
+    probs, routing_map, _ = layer.router(x.view(12, 1, 16))
+    logits = x @ layer.router.gate_DE
+    top = torch.topk(logits, 2)
+    assert torch.equal(routing_map, torch.zeros(12, 4, dtype=torch.bool).scatter(-1, top.indices, True))
+    assert torch.allclose(probs.gather(-1, top.indices), torch.softmax(top.values, -1))
+    out, _ = layer(x.view(12, 1, 16))
+    out.sum().backward()
+    assert layer.router.gate_DE.grad.abs().sum() > 0
+
+
+def _variant_router(**changes):
+    from aoe_megatron.moe_router import RouterConfig, VariantRouter
+
+    tc = make_transformer_config(d_model=16, d_ffn=32, num_experts=4, top_k=2)
+    cfg = replace(RouterConfig(num_experts=4, top_k=2, d_model=16, alpha_aux=0.0), **changes)
+    return tc, VariantRouter(config=tc, router=cfg)
+
+
+def test_config4_router_has_n_dlow_dmodel_parameters(megatron_world):
+    _, router = _variant_router(gate="two_layer", hidden_per_expert=8)
+    assert router.w1.numel() == 4 * 8 * 16  # n x d_low x d_model, like AoE's W_down
+    assert router.w2.numel() == 4 * 8 * 4
+    probs, routing_map = router(torch.randn(5, 2, 16))
+    assert routing_map.sum(-1).eq(2).all() and torch.allclose(probs.sum(-1), torch.ones(10))
+
+
+def test_linear_variant_router_equals_megatron_topk_router(megatron_world):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    tc, ours = _variant_router()
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    theirs = TopKRouter(config=tc, pg_collection=get_default_pg_collection())
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(7, 3, 16)
+    (p1, m1), (p2, m2) = ours(x), theirs(x)
+    assert torch.equal(m1, m2) and torch.allclose(p1, p2, atol=1e-6)
+
+
+def test_ent_conf_regularizer_adds_its_gradient(megatron_world):
+    torch.manual_seed(0)
+    x, w = torch.randn(9, 1, 16), torch.randn(9, 4)
+    grads = []
+    for coeff in (0.0, 0.5):
+        _, router = _variant_router(ent_conf_coeff=coeff)
+        with torch.no_grad():
+            router.weight.copy_(torch.linspace(-1, 1, 64).view(4, 16))
+        probs, _ = router(x)
+        (probs * w).sum().backward()
+        grads.append(router.weight.grad.clone())
+    weight = torch.linspace(-1, 1, 64).view(4, 16).requires_grad_()
+    ent = 0.5 * ops.confidence_entropy(torch.softmax(x.view(9, 16) @ weight.t(), -1))
+    (want,) = torch.autograd.grad(ent, weight)
+    assert torch.allclose(grads[1] - grads[0], want.float(), atol=1e-6)
+
+
+def test_switch_jitter_only_in_training(megatron_world):
+    _, plain = _variant_router()
+    _, jittered = _variant_router(input_jitter=0.01)
+    with torch.no_grad():
+        jittered.weight.copy_(plain.weight)
+    x = torch.randn(50, 1, 16)
+    jittered.eval()
+    assert torch.equal(jittered(x)[0], plain.eval()(x)[0])
+    jittered.train()
+    with torch.no_grad():
+        a, b = jittered(x)[0], jittered(x)[0]
+    assert not torch.equal(a, b)
+    # multiplicative noise of at most 1%: the logits move by at most 1% of sum |x_d w_d|
+    bound = 0.01 * (x.view(50, 16).abs() @ plain.weight.abs().t())
+    noisy = torch.stack([jittered.logits(jittered.jitter(x.view(50, 16))) for _ in range(5)])
+    assert ((noisy - plain.logits(x.view(50, 16))).abs() <= bound + 1e-6).all()
+
+
+# ----------------------------------------------------------------------------- every preset
+
+
+def _shrunk(name: str):
+    """The preset at CPU size: hidden 96 instead of 768, d_low and router widths scaled alike."""
+    from aoe_megatron.model import load_preset
+
+    cfg = load_preset(f"ablations/{name}")
+    scale = 96 / cfg.hidden_size
+    changes = dict(num_layers=2, hidden_size=96, num_attention_heads=4, ffn_hidden_size=128,
+                   num_experts=4, seq_length=16, vocab_size=512,
+                   aoe={"d_low": max(2, int(cfg.aoe.d_low * scale))})
+    if cfg.router.hidden_per_expert:
+        changes["router"] = {"hidden_per_expert": max(2, int(cfg.router.hidden_per_expert * scale))}
+    return cfg.with_overrides(**changes)
+
+
+def _train_step(name: str, ep: int) -> float:
+    from aoe_megatron.model import build_gpt_model, transformer_config
+
+    cfg = _shrunk(name)
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, transformer_config(cfg, expert_parallel_size=ep), use_te=False)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length))
+    positions = torch.arange(cfg.seq_length).expand_as(tokens)
+    loss = model(tokens, positions, None, labels=tokens).float().mean()
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads), name
+    assert torch.isfinite(loss), name
+    if ep == 1:  # what params.py counts (README's ablation table) is what is allocated
+        from aoe_megatron.params import count_parameters
+
+        assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg).total, name
+    return loss.item()
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_every_ablation_preset_trains_a_step_at_ep1(name, megatron_world):
+    _train_step(name, 1)
+
+
+def _all_presets_at_ep2(rank, world_size):
+    for name in ABLATIONS:
+        _train_step(name, 2)
+
+
+@pytest.mark.slow
+def test_every_ablation_preset_trains_a_step_at_ep2():
+    run_distributed(_all_presets_at_ep2, 2)
