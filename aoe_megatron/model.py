@@ -43,8 +43,8 @@ class RouterSettings:
     """The traditional-MoE router (arch "moe"); the defaults are megatron-core's own TopKRouter."""
 
     gate: str = "linear"
-    """"linear" (x W_g) or "two_layer" (the paper's Config 4: SiLU(x W_1) W_2, W_1 with
-    n * d_low * d_model parameters)."""
+    """"linear" (x W_g), "two_layer" (the paper's Config 4: SiLU(x W_1) W_2, W_1 with
+    n * d_low * d_model parameters) or "hash" (Roller et al. 2021; with weight_mode "hash")."""
     hidden_per_expert: int = 0
     """two_layer: W_1's width per expert (the paper: d_low)."""
     weight_mode: str = "topk_softmax"
@@ -114,7 +114,7 @@ class ModelConfig:
         from aoe_megatron.moe_router import RouterConfig
 
         return RouterConfig(num_experts=self.num_experts, top_k=self.top_k, d_model=self.hidden_size,
-                            alpha_aux=self.alpha_aux, **asdict(self.router))
+                            alpha_aux=self.alpha_aux, vocab_size=self.vocab_size, **asdict(self.router))
 
     def aoe_config(self, expert_parallel_size: int = 1) -> AoEConfig:
         return AoEConfig(
@@ -245,4 +245,8 @@ def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None)
         share_embeddings_and_output_weights=cfg.tie_embeddings,
         position_embedding_type="rope",
     )
+    if cfg.arch == "moe" and cfg.router.gate == "hash":
+        from aoe_megatron.moe_router import hand_token_ids_to_hash_routers
+
+        hand_token_ids_to_hash_routers(model)
     return model

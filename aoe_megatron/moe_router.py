@@ -18,7 +18,7 @@ from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.router import SelectionRouter
 from aoe_megatron.selection import select_experts, selection_strategies
 
-GATES = ("linear", "two_layer")
+GATES = ("linear", "two_layer", "hash")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,10 +29,13 @@ class RouterConfig:
     top_k: int
     d_model: int
     gate: str = "linear"
-    """"linear" (x W_g, W_g: d_model x n) or "two_layer" (SiLU(x W_1) W_2 with W_1: d_model x
-    (n * hidden_per_expert), the paper's Config 4 "large router")."""
+    """"linear" (x W_g, W_g: d_model x n), "two_layer" (SiLU(x W_1) W_2 with W_1: d_model x
+    (n * hidden_per_expert), the paper's Config 4 "large router") or "hash" (Roller et al. 2021:
+    no weights; a fixed random table gives each token id a bucket; strategy "hash")."""
     hidden_per_expert: int = 0
     """Config 4: d_low, so that W_1 has n * d_low * d_model parameters, as many as AoE's W_down."""
+    vocab_size: int = 0
+    """hash: the token-id -> bucket table's size."""
     weight_mode: str = "topk_softmax"
     selection_options: dict = field(default_factory=dict)
     alpha_aux: float = 0.01
@@ -44,6 +47,12 @@ class RouterConfig:
             raise ValueError(f"unknown router gate {self.gate!r}; choose one of {GATES}")
         if self.gate == "two_layer" and self.hidden_per_expert <= 0:
             raise ValueError("the two_layer router needs hidden_per_expert > 0 (the paper: d_low)")
+        if (self.gate == "hash") != (self.weight_mode == "hash"):
+            raise ValueError("the hash gate and the hash strategy go together (gate: hash, "
+                             "weight_mode: hash)")
+        if self.gate == "hash" and (self.vocab_size <= 0 or self.alpha_aux or self.ent_conf_coeff):
+            raise ValueError("the hash router needs vocab_size, and has nothing for alpha_aux or "
+                             "ent_conf_coeff to train: set them to 0")
         if self.weight_mode not in selection_strategies():
             raise ValueError(f"unknown selection strategy {self.weight_mode!r}; "
                              f"choose one of {selection_strategies()}")
@@ -64,9 +73,15 @@ class VariantRouter(SelectionRouter):
         self.router_config = router
         dev, dtype = target_device(config), config.params_dtype
         d, e = router.d_model, router.num_experts
+        self.token_ids: Optional[torch.Tensor] = None  # hash: set per batch by the model's hook
         if router.gate == "linear":
             # megatron-core's TopKRouter layout and name: weight [E, D]
             self.weight = torch.nn.Parameter(torch.empty(e, d, dtype=dtype, device=dev))
+        elif router.gate == "hash":
+            # A balanced random table (each bucket gets V/E token ids), saved with the model.
+            gen = torch.Generator().manual_seed(draw_module_seed())
+            table = torch.randperm(router.vocab_size, generator=gen) % e
+            self.register_buffer("bucket_of_token", table.to(dev), persistent=True)
         else:
             h = e * router.hidden_per_expert
             self.w1 = torch.nn.Parameter(torch.empty(h, d, dtype=dtype, device=dev))
@@ -86,4 +101,26 @@ class VariantRouter(SelectionRouter):
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         x_TD = self.jitter(hidden_states.reshape(-1, self.router_config.d_model))
-        return self.select(self.logits(x_TD), padding_mask)
+        if self.router_config.gate != "hash":
+            return self.select(self.logits(x_TD), padding_mask)
+        if self.token_ids is None or self.token_ids.numel() != x_TD.shape[0]:
+            raise RuntimeError("the hash router needs the batch's token ids: build the model with "
+                               "aoe_megatron.model.build_gpt_model (its hook hands them over)")
+        scores_TE = x_TD.new_zeros(x_TD.shape[0], self.router_config.num_experts)
+        return self.select(scores_TE, padding_mask, buckets_T=self.bucket_of_token[self.token_ids])
+
+
+def hand_token_ids_to_hash_routers(model) -> None:
+    """A forward pre-hook on a GPTModel: each hash router gets the batch's token ids, in the
+    [S, B] order of the hidden states its layer sees."""
+    routers = [m for m in model.modules() if isinstance(m, VariantRouter) and m.router_config.gate == "hash"]
+    if not routers:
+        return
+
+    def hook(module, args, kwargs):
+        input_ids = args[0] if args else kwargs["input_ids"]
+        ids_T = input_ids.t().reshape(-1)
+        for router in routers:
+            router.token_ids = ids_T
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -37,6 +37,8 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
         router = e * d  # megatron-core's linear router [E, D]
         if cfg.router.gate == "two_layer":  # Config 4: W_1 [D, E * h], W_2 [E * h, E]
             router = e * cfg.router.hidden_per_expert * (d + e)
+        elif cfg.router.gate == "hash":  # a table, no weights
+            router = 0
         expert = 3 * d * f  # SwiGLU: gate and up [d, f], down [f, d]
         layer_total = attention + norms + router + e * expert
         layer_active = attention + norms + router + k * expert

@@ -52,10 +52,12 @@ class SelectionRouter(MegatronModule):
             return x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         return x
 
-    def select(self, scores_TE: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """(probs_TE, routing_map_TE) from the per-expert scores (AoE: norms; MoE: logits)."""
+    def select(self, scores_TE: torch.Tensor, padding_mask: Optional[torch.Tensor] = None, **extra):
+        """(probs_TE, routing_map_TE) from the per-expert scores (AoE: norms; MoE: logits);
+        ``extra`` goes to the strategy with the configured options."""
         s = self.settings
-        sel = select_experts(scores_TE, strategy=s.weight_mode, top_k=s.top_k, **s.selection_options)
+        sel = select_experts(scores_TE, strategy=s.weight_mode, top_k=s.top_k,
+                             **s.selection_options, **extra)
         probs_TE = sel.probs_TE
         # NOTE: as MoELayer.forward documents, padding_mask is True for *valid* tokens; padding
         # still gets experts (shapes stay static) but counts in neither L_aux nor the statistics.

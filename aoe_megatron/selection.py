@@ -131,6 +131,20 @@ def random_selection(norms_TE: torch.Tensor, *, top_k: int, generator=None) -> S
     return Selection(probs_TE, mask_TE, torch.softmax(norms_TE, dim=-1))
 
 
+@register_selection("hash")
+def hash_selection(norms_TE: torch.Tensor, *, top_k: int, buckets_T=None) -> Selection:
+    """Hash layer (Roller et al. 2021): a token's experts depend only on its id, through a fixed
+    bucket per token id (``buckets_T``, from the router's table): experts bucket, bucket + 1, ...
+    (mod E), K of them, equally weighted. The norms are not looked at."""
+    num_tokens, num_experts = norms_TE.shape
+    if buckets_T is None:  # a configuration dry run
+        buckets_T = torch.zeros(num_tokens, dtype=torch.long, device=norms_TE.device)
+    idx_TK = (buckets_T.view(-1, 1) + torch.arange(top_k, device=norms_TE.device)) % num_experts
+    mask_TE = torch.zeros_like(norms_TE, dtype=torch.bool).scatter(-1, idx_TK, True)
+    probs_TE = mask_TE.to(norms_TE.dtype) / top_k
+    return Selection(probs_TE, mask_TE, probs_TE)
+
+
 def select_experts(norms_TE: torch.Tensor, *, strategy: str, top_k: int, **options) -> Selection:
     """Run the named strategy on per-expert norms; ``options`` go to the strategy."""
     return get_selection(strategy)(norms_TE, top_k=top_k, **options)

@@ -168,6 +168,33 @@ def test_switch_jitter_only_in_training(megatron_world):
     assert ((noisy - plain.logits(x.view(50, 16))).abs() <= bound + 1e-6).all()
 
 
+def test_hash_layer_depends_only_on_the_token_id(megatron_world):
+    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.moe_router import VariantRouter
+
+    cfg = _shrunk("hash_moe")
+    model = build_gpt_model(cfg, transformer_config(cfg), use_te=False)
+    routers = [m for m in model.modules() if isinstance(m, VariantRouter)]
+    assert len(routers) == cfg.num_layers and not list(routers[0].parameters())
+    ids = torch.tensor([[5, 9, 5, 300], [9, 9, 7, 5]])
+    model(ids, torch.arange(4).expand_as(ids), None)
+    assert torch.equal(routers[0].token_ids, ids.t().reshape(-1))  # the hook's [S, B] order
+    router = routers[0]
+    maps = []
+    for scale in (1.0, -30.0):  # other hidden states, same token ids
+        probs, routing_map = router(scale * torch.randn(4, 2, cfg.hidden_size))
+        maps.append(routing_map)
+    assert torch.equal(maps[0], maps[1])
+    flat = ids.t().reshape(-1)
+    for t in range(flat.numel()):  # the same id anywhere gets the same K experts
+        same = (flat == flat[t]).nonzero().flatten()
+        assert all(torch.equal(maps[0][t], maps[0][u]) for u in same)
+    assert (maps[0].sum(-1) == cfg.top_k).all() and torch.allclose(probs.sum(-1), torch.ones(8))
+    table = router.bucket_of_token
+    counts = torch.bincount(table, minlength=cfg.num_experts)
+    assert counts.max() - counts.min() <= 1  # balanced over the vocabulary
+
+
 # ----------------------------------------------------------------------------- every preset
 
 
