@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
-from aoe_megatron.ops import NORM_ORDERS, d_wide_for_parity
+from aoe_megatron.ops import FACTORIZATIONS, NORM_ORDERS, d_wide_for_parity
 from aoe_megatron.selection import select_experts, selection_strategies
 
 CACHE_MODES = ("send", "recompute")
 RANK_SOURCES = ("cache", "frozen_random", "router")
+INFERENCE_SELECTIONS = ("norm", "fon", "router")
 DISPATCHERS = ("alltoall", "allgather")
 
 
@@ -41,6 +42,18 @@ class AoEConfig:
     """What experts are ranked by: "cache" (||x W_down^i||, the paper), "frozen_random" (the
     review's control (b): ||x F^i|| for a random F that is never trained; W_down still computes
     the experts' output) or "router" (a linear router's logits: the paper's Config 3)."""
+    factorized: str = "gate"
+    """Which projection the cache factorizes: "gate" (W_g = W_down W_up, the paper), "up" (W_p
+    instead: the rebuttal's variant) or "none" (the cache is the first d_low elements of the full
+    gate pre-activation x W_g^i: the rebuttal's "first n elements"; d_wide "auto" is then d_ffn)."""
+    inference_selection: str = "norm"
+    """How experts are selected in evaluation (training always ranks by ``rank_source``):
+    "norm" (as trained), "fon" (the rebuttal's final-output norms: every expert computes its
+    output, ranked by its norm; EP=1 only) or "router" (the rebuttal's imitation router: a linear
+    router trained on detached inputs to match the softmax over the norms, then used alone)."""
+    imitation_coeff: float = 1.0
+    """inference_selection "router": weight of the router's imitation loss (cross-entropy to the
+    detached softmax over the norms; only the router's weight receives its gradient)."""
     ent_conf_coeff: float = 0.0
     """Weight of the Ent_conf regularizer (mean entropy of the softmax over all experts' norms;
     1e-4 with top-P, after Huang et al. 2024)."""
@@ -99,6 +112,17 @@ class AoEConfig:
             raise ValueError(
                 f"AoE selection_options {self.selection_options} for {self.weight_mode!r}: {exc}"
             ) from None
+        if self.factorized not in FACTORIZATIONS:
+            raise ValueError(f"unknown AoE factorized {self.factorized!r}; choose one of {FACTORIZATIONS}.")
+        if self.factorized == "none" and self.d_low >= self.resolved_d_wide:
+            raise ValueError(f"factorized 'none' ranks by the first d_low={self.d_low} of "
+                             f"d_wide={self.resolved_d_wide} gate elements: d_low must be smaller.")
+        if self.inference_selection not in INFERENCE_SELECTIONS:
+            raise ValueError(f"unknown AoE inference_selection {self.inference_selection!r}; "
+                             f"choose one of {INFERENCE_SELECTIONS}.")
+        if self.inference_selection != "norm" and self.rank_source != "cache":
+            raise ValueError("inference_selection 'fon'/'router' apply to norm-ranked AoE "
+                             "(rank_source 'cache') only.")
         if self.rank_source not in RANK_SOURCES:
             raise ValueError(f"unknown AoE rank_source {self.rank_source!r}; choose one of {RANK_SOURCES}.")
         if not self.ent_conf_coeff >= 0 or not 0 <= self.input_jitter < 1:
@@ -114,6 +138,8 @@ class AoEConfig:
     def resolved_d_wide(self) -> int:
         """d_wide, with "auto" resolved by Eq. 5."""
         if self.d_wide == "auto":
+            if self.factorized == "none":  # W_g, W_p, W_o at full width: the MoE expert's shapes
+                return self.d_ffn
             return d_wide_for_parity(d_model=self.d_model, d_ffn=self.d_ffn, d_low=self.d_low)
         return self.d_wide
 
@@ -134,7 +160,7 @@ MEGATRON_FIELD_MAP = {
     "expert_parallel_size": "expert_model_parallel_size",
 }
 AOE_ONLY_FIELDS = ("d_low", "d_wide", "norm", "weight_mode", "selection_options", "rank_source",
-                   "ent_conf_coeff", "input_jitter", "cache_mode")
+                   "factorized", "inference_selection", "imitation_coeff", "ent_conf_coeff", "input_jitter", "cache_mode")
 
 
 def from_transformer_config(tc, **aoe_fields) -> AoEConfig:

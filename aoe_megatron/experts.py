@@ -43,7 +43,9 @@ class AoEExperts(MegatronModule):
         ]
         d, r, w = aoe.d_model, aoe.d_low, aoe.resolved_d_wide
         kw = dict(dtype=config.params_dtype, device=target_device(config))
-        self.w_up = torch.nn.Parameter(torch.empty(num_local_experts, r, w, **kw))
+        # factorized "none" (the rebuttal's first-n ranking): w_up holds W_g's last W - R columns
+        up_shape = (d, w - r) if aoe.factorized == "none" else (r, w)
+        self.w_up = torch.nn.Parameter(torch.empty(num_local_experts, *up_shape, **kw))
         self.w_p = torch.nn.Parameter(torch.empty(num_local_experts, d, w, **kw))
         self.w_o = torch.nn.Parameter(torch.empty(num_local_experts, w, d, **kw))
         for name in EXPERT_WEIGHTS:
@@ -92,6 +94,7 @@ class AoEExperts(MegatronModule):
                 ops.aoe_expert(
                     x_ND, cache_NR.to(x_ND.dtype),
                     w_up_RW=self.w_up[local], w_p_DW=self.w_p[local], w_o_WD=self.w_o[local],
+                    factorized=self.aoe.factorized,
                 )
             )
         out_ND = torch.cat(outputs, dim=0)

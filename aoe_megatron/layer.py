@@ -62,6 +62,33 @@ class AoEMoELayer(MoELayer):
         )
         self._pending_cache: Optional[torch.Tensor] = None
 
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        if self.training or self.aoe.inference_selection != "fon":
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        return self.final_output_norm_forward(hidden_states), None
+
+    def final_output_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The rebuttal's FON selection (evaluation only): every expert computes its output for
+        every token, experts are ranked by the norm of that output and the configured strategy
+        weights them (topk_softmax: softmax over the selected output norms). Dense, EP=1 only."""
+        if self.experts.ep_size != 1:
+            raise ValueError("FON selection needs every expert's output on one rank: EP=1 only")
+        from aoe_megatron import ops
+        from aoe_megatron.selection import select_experts
+
+        aoe, experts = self.aoe, self.experts
+        x_TD = hidden_states.reshape(-1, aoe.d_model)
+        cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.router.weight, num_experts=aoe.num_experts)
+        y_TED = torch.stack([
+            ops.aoe_expert(x_TD, cache_TER[:, e], w_up_RW=experts.w_up[e], w_p_DW=experts.w_p[e],
+                           w_o_WD=experts.w_o[e], factorized=aoe.factorized)
+            for e in range(aoe.num_experts)], dim=1)
+        sel = select_experts(ops.expert_norms(y_TED, order=aoe.norm), strategy=aoe.weight_mode,
+                             top_k=aoe.top_k, **aoe.selection_options)
+        out_TD = torch.einsum("te,ted->td", sel.probs_TE.to(y_TED.dtype), y_TED)
+        return out_TD.view_as(hidden_states)
+
     def route(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         probs, routing_map, cache_TER = self.router(hidden_states, padding_mask)
         # NOTE: MoELayer.forward calls route() then preprocess() with fixed signatures; the cache

@@ -30,6 +30,13 @@ class AoESettings:
     rank_source: str = "cache"
     """"cache" (the paper), "frozen_random" (the review's frozen-W_down control) or "router"
     (a linear router selects among AoE experts: the paper's Config 3, "factorized W_g")."""
+    factorized: str = "gate"
+    """"gate" (the paper), "up" (factorize W_p instead) or "none" (rank by the first d_low
+    elements of the full gate pre-activation): the rebuttal's variants."""
+    inference_selection: str = "norm"
+    """Evaluation-time selection: "norm", "fon" (final-output norms) or "router" (imitation router)."""
+    imitation_coeff: float = 1.0
+    """inference_selection "router": weight of the router's imitation loss."""
     ent_conf_coeff: float = 0.0
     """Ent_conf regularizer weight (1e-4 with top-P)."""
     input_jitter: float = 0.0

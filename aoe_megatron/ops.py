@@ -94,6 +94,9 @@ def confidence_entropy(scores_TE: torch.Tensor) -> torch.Tensor:
     return ent_T.mean()
 
 
+FACTORIZATIONS = ("gate", "up", "none")
+
+
 def aoe_expert(
     x_ND: torch.Tensor,
     cache_NR: torch.Tensor,
@@ -101,6 +104,21 @@ def aoe_expert(
     w_up_RW: torch.Tensor,
     w_p_DW: torch.Tensor,
     w_o_WD: torch.Tensor,
+    factorized: str = "gate",
 ) -> torch.Tensor:
-    """Eq. 3 after the cache: E_i(x) = (SiLU(C_i W_up^i) * (x W_p^i)) W_o^i."""
-    return (F.silu(cache_NR @ w_up_RW) * (x_ND @ w_p_DW)) @ w_o_WD
+    """Eq. 3 after the cache: E_i(x) = (SiLU(C_i W_up^i) * (x W_p^i)) W_o^i ("gate": the paper).
+
+    The rebuttal's variants: "up" factorizes W_p instead (SiLU(x W_p^i) * (C_i W_up^i)) W_o^i,
+    with ``w_p_DW`` the full gate projection; "none" factorizes nothing: the cache is the first
+    d_low elements of the gate pre-activation x W_g^i, and ``w_up_RW`` holds W_g^i's other
+    columns ([D, W - d_low]): (SiLU([C_i, x W_up^i]) * (x W_p^i)) W_o^i.
+    """
+    if factorized == "gate":
+        hidden = F.silu(cache_NR @ w_up_RW) * (x_ND @ w_p_DW)
+    elif factorized == "up":
+        hidden = F.silu(x_ND @ w_p_DW) * (cache_NR @ w_up_RW)
+    elif factorized == "none":
+        hidden = F.silu(torch.cat([cache_NR, x_ND @ w_up_RW], dim=-1)) * (x_ND @ w_p_DW)
+    else:
+        raise ValueError(f"unknown factorization {factorized!r}; choose one of {FACTORIZATIONS}")
+    return hidden @ w_o_WD

@@ -48,8 +48,10 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
         aoe = cfg.aoe_config()
         r, w = aoe.d_low, aoe.resolved_d_wide
         w_down = d * r
-        expert_rest = r * w + 2 * d * w  # W_up [r, w], W_p [d, w], W_o [w, d]
-        router = e * d if aoe.rank_source == "router" else 0  # Config 3's linear router
+        # W_up [r, w] (or W_g's last w - r columns, [d, w - r]), W_p [d, w], W_o [w, d]
+        expert_rest = (d * (w - r) if aoe.factorized == "none" else r * w) + 2 * d * w
+        # Config 3's linear router; the imitation router (evaluated alone, trained beside)
+        router = e * d * ((aoe.rank_source == "router") + (aoe.inference_selection == "router"))
         layer_total = attention + norms + router + e * (w_down + expert_rest)
         layer_active = attention + norms + router + k * (w_down + expert_rest)
         layer_all_caches = attention + norms + router + e * w_down + k * expert_rest

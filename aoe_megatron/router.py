@@ -111,6 +111,9 @@ class AoERouter(SelectionRouter):
         elif aoe.rank_source == "router":
             self.gate_DE = torch.nn.Parameter(torch.empty(
                 aoe.d_model, aoe.num_experts, dtype=config.params_dtype, device=target_device(config)))
+        if aoe.inference_selection == "router":
+            self.imitation_DE = torch.nn.Parameter(torch.empty(
+                aoe.d_model, aoe.num_experts, dtype=config.params_dtype, device=target_device(config)))
         self.reset_parameters()
 
     @property
@@ -129,10 +132,11 @@ class AoERouter(SelectionRouter):
                     tensor[:, g * r : (g + 1) * r], module_seed=seed, global_expert=g, slot=slot,
                     std=self.config.init_method_std,
                 )
-        if self.aoe.rank_source == "router":
-            for g in range(self.aoe.num_experts):
-                expert_normal_(self.gate_DE[:, g], module_seed=seed, global_expert=g, slot=2,
-                               std=self.config.init_method_std)
+        for name, slot in (("gate_DE", 2), ("imitation_DE", 3)):
+            if hasattr(self, name):
+                for g in range(self.aoe.num_experts):
+                    expert_normal_(getattr(self, name)[:, g], module_seed=seed, global_expert=g,
+                                   slot=slot, std=self.config.init_method_std)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """hidden_states [S, B, D] -> (probs_TE, routing_map_TE, cache_TER)."""
@@ -146,5 +150,27 @@ class AoERouter(SelectionRouter):
             scores_TE = x_TD @ self.gate_DE
         else:
             scores_TE = ops.expert_norms(cache_TER, order=self.aoe.norm)
+        if self.aoe.inference_selection == "router":
+            return self._with_imitation_router(x_TD, scores_TE, padding_mask) + (cache_TER,)
         probs_TE, routing_map_TE = self.select(scores_TE, padding_mask)
         return probs_TE, routing_map_TE, cache_TER
+
+    def _with_imitation_router(self, x_TD, norms_TE, padding_mask):
+        """The rebuttal's imitation router: in training, selection by the norms as usual, plus a
+        linear router on *detached* inputs trained to match the (detached) softmax over the norms;
+        in evaluation the router alone picks the top-K experts, weighted by a softmax over their
+        norms (Algorithm 2's weights on the router's choice)."""
+        logits_TE = x_TD.detach() @ self.imitation_DE
+        if not self.training:
+            top_idx_TK = torch.topk(logits_TE, self.aoe.top_k, dim=-1).indices
+            weights_TK = torch.softmax(norms_TE.gather(-1, top_idx_TK), dim=-1)
+            probs_TE = torch.zeros_like(norms_TE).scatter(-1, top_idx_TK, weights_TK)
+            return probs_TE, probs_TE > 0
+        probs_TE, routing_map_TE = self.select(norms_TE, padding_mask)
+        if torch.is_grad_enabled():
+            target_TE = torch.softmax(norms_TE.detach().float(), dim=-1)
+            loss = -(target_TE * torch.log_softmax(logits_TE.float(), dim=-1)).sum(-1).mean()
+            probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, (self.aoe.imitation_coeff * loss).to(probs_TE.dtype))
+            save_to_aux_losses_tracker("imitation_loss", loss.detach(), self.layer_number,
+                                       self.config.num_layers)
+        return probs_TE, routing_map_TE

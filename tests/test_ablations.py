@@ -195,6 +195,117 @@ def test_hash_layer_depends_only_on_the_token_id(megatron_world):
     assert counts.max() - counts.min() <= 1  # balanced over the vocabulary
 
 
+def _loop_reference(x, w_down, w_up, w_p, w_o, *, top_k, factorized="gate", rank="cache"):
+    """float64, one token at a time: Algorithm 2 with the rebuttal's expert variants; ``rank``
+    "cache" ranks by ||C_i||, "output" by the norm of every expert's final output (FON)."""
+    import torch.nn.functional as F
+
+    e, r = w_up.shape[0], w_down.shape[1] // w_up.shape[0]
+    rows = []
+    for t in range(x.shape[0]):
+        xt = x[t]
+        outs, norms = [], []
+        for i in range(e):
+            c = xt @ w_down[:, i * r:(i + 1) * r]
+            if factorized == "gate":
+                h = F.silu(c @ w_up[i]) * (xt @ w_p[i])
+            elif factorized == "up":
+                h = F.silu(xt @ w_p[i]) * (c @ w_up[i])
+            else:  # none: the cache is the gate pre-activation's first r elements
+                h = F.silu(torch.cat([c, xt @ w_up[i]])) * (xt @ w_p[i])
+            outs.append(h @ w_o[i])
+            norms.append(torch.linalg.vector_norm(outs[-1] if rank == "output" else c))
+        norms = torch.stack(norms)
+        top = torch.topk(norms, top_k).indices
+        weights = torch.softmax(norms[top], dim=0)
+        rows.append(sum(w * outs[i] for w, i in zip(weights, top.tolist())))
+    return torch.stack(rows)
+
+
+def _layer_weights64(layer):
+    ex = layer.experts
+    return [t.detach().double().requires_grad_() for t in (layer.router.weight, ex.w_up, ex.w_p, ex.w_o)]
+
+
+@pytest.mark.parametrize("factorized", ["up", "none"])
+def test_rebuttal_factorizations_match_a_float64_loop(factorized, megatron_world):
+    tc = make_transformer_config(d_model=16, d_ffn=24, num_experts=4, top_k=2, dtype=torch.float64)
+    torch.manual_seed(0)
+    layer = build_aoe_layer(tc, d_low=4, factorized=factorized)
+    if factorized == "none":
+        assert layer.experts.w_up.shape == (4, 16, 24 - 4)  # W_g's other columns; d_wide = d_ffn
+    x = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
+    out, _ = layer(x.view(10, 1, 16))
+    weights = _layer_weights64(layer)
+    x_ref = x.detach().clone().requires_grad_()
+    want = _loop_reference(x_ref, *weights, top_k=2, factorized=factorized)
+    assert torch.allclose(out.view(10, 16), want, atol=1e-10)
+    g = torch.randn(10, 16, dtype=torch.float64)
+    (out.view(10, 16) * g).sum().backward()
+    (want * g).sum().backward()
+    assert torch.allclose(x.grad, x_ref.grad, atol=1e-10)
+    mine = [layer.router.weight.grad, layer.experts.w_up.grad, layer.experts.w_p.grad, layer.experts.w_o.grad]
+    for got, ref in zip(mine, weights):
+        assert torch.allclose(got, ref.grad, atol=1e-10)
+
+
+def test_fon_selection_equals_ranking_every_expert_by_its_output(megatron_world):
+    tc = make_transformer_config(d_model=16, d_ffn=24, num_experts=4, top_k=2, dtype=torch.float64)
+    torch.manual_seed(1)
+    layer = build_aoe_layer(tc, d_low=4, inference_selection="fon").eval()
+    x = torch.randn(12, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out, _ = layer(x.view(12, 1, 16))
+        by_cache, _ = layer.train()(x.view(12, 1, 16))  # training still ranks by the cache
+    want = _loop_reference(x, *[w.detach() for w in _layer_weights64(layer)], top_k=2, rank="output")
+    assert torch.allclose(out.view(12, 16), want, atol=1e-10)
+    assert not torch.allclose(out, by_cache)  # on this draw the two selections differ
+
+
+def test_imitation_router_learns_from_detached_inputs_and_selects_alone(megatron_world):
+    tc = make_transformer_config(d_model=16, d_ffn=24, num_experts=4, top_k=2)
+    torch.manual_seed(2)
+    x = torch.randn(64, 16)
+    grads = []
+    for coeff in (0.0, 1.0):  # the imitation loss changes no gradient but the router's
+        torch.manual_seed(3)
+        layer = build_aoe_layer(tc, d_low=4, inference_selection="router", imitation_coeff=coeff)
+        xi = x.clone().requires_grad_()
+        out, _ = layer(xi.view(64, 1, 16))
+        out.sum().backward()
+        grads.append((xi.grad, layer.router.weight.grad, layer.router.imitation_DE.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert grads[0][2] is None or not grads[0][2].any()
+    assert grads[1][2].abs().sum() > 0
+
+    router = layer.router
+    with torch.no_grad():  # trained-model-like norms (at init they are all tiny: a flat target)
+        router.weight.mul_(30)
+    opt = torch.optim.Adam([router.imitation_DE], lr=0.05)
+
+    def imitation_loss():  # cross-entropy to the softmax over the norms
+        with torch.no_grad():
+            norms = ops.expert_norms(ops.low_rank_cache(x, w_down_DER=router.weight, num_experts=4))
+            logp = torch.log_softmax(x @ router.imitation_DE, -1)
+            return -(torch.softmax(norms, -1) * logp).sum(-1).mean().item()
+
+    before = imitation_loss()
+    for _ in range(200):
+        layer.train()
+        out, _ = layer(x.view(64, 1, 16))
+        out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    # it learns what a linear router can (norms are even in x, logits odd: it cannot learn it all,
+    # which is the rebuttal's point)
+    assert imitation_loss() < before - 0.1
+    layer.eval()
+    with torch.no_grad():
+        probs, routing_map, _ = router(x.view(64, 1, 16))
+    want = torch.topk(x @ router.imitation_DE, 2).indices
+    assert torch.equal(routing_map, torch.zeros(64, 4, dtype=torch.bool).scatter(-1, want, True))
+
+
 # ----------------------------------------------------------------------------- every preset
 
 
@@ -229,6 +340,13 @@ def _train_step(name: str, ep: int) -> float:
         from aoe_megatron.params import count_parameters
 
         assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg).total, name
+    model.eval()  # evaluation-time selections (FON, the imitation router) too
+    if ep > 1 and cfg.arch == "aoe" and cfg.aoe.inference_selection == "fon":
+        with pytest.raises(ValueError, match="EP=1 only"):
+            model(tokens, positions, None)
+    else:
+        with torch.no_grad():
+            assert torch.isfinite(model(tokens, positions, None)).all(), name
     return loss.item()
 
 

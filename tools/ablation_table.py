@@ -37,6 +37,13 @@ def flop_weights(cfg) -> int:
     return count.active_with_all_caches + extra
 
 
+def ep_sizes(cfg) -> str:
+    """Where tests/test_ablations.py trains (and evaluates) the preset."""
+    if cfg.arch == "aoe" and cfg.aoe.inference_selection == "fon":
+        return "1, 2 (evaluation: 1, dense)"
+    return "1, 2"
+
+
 def main() -> int:
     base = count_parameters(load_preset(BASELINE))
     base_flops = flop_weights(load_preset(BASELINE))
@@ -51,7 +58,7 @@ def main() -> int:
         flops = (VARYING[mode].format(**options) if mode in VARYING
                  else f"{flop_weights(cfg) / base_flops - 1:+.1%}")
         rows.append(f"| `{name}` | {describe(path)} | {count.total / 1e6:.1f}M | "
-                    f"{count.total / base.total - 1:+.1%} | {flops} | 1, 2 |")
+                    f"{count.total / base.total - 1:+.1%} | {flops} | {ep_sizes(cfg)} |")
     print("\n".join(rows))
     return 0
 

@@ -140,6 +140,12 @@ def _check_exportable(cfg) -> None:
     from aoe_megatron.hf.configuration_aoe import NORM_ORDERS, WEIGHT_MODES
 
     if cfg.arch == "aoe":
+        if cfg.aoe.factorized != "gate":
+            raise ConversionError(f"factorized={cfg.aoe.factorized!r} (a rebuttal variant) has no "
+                                  f"Hugging Face model; the exported AoE factorizes W_g")
+        if cfg.aoe.inference_selection != "norm":
+            raise ConversionError(f"inference_selection={cfg.aoe.inference_selection!r} (a rebuttal "
+                                  f"variant) has no Hugging Face model")
         if cfg.aoe.rank_source != "cache":
             raise ConversionError(
                 f"rank_source={cfg.aoe.rank_source!r} is a training control; the Hugging Face AoE "
