@@ -197,6 +197,7 @@ def test_model_overrides_reach_the_model():
     assert (cfg.model.num_layers, cfg.model.aoe.d_low, cfg.model.arch) == (3, 128, "moe")
     assert cfg.model.hidden_size == 768 and cfg.global_batch_size == 2048  # the preset's recipe
     assert cfg.lr == 2e-4 and cfg.warmup_steps == 4800 and cfg.min_lr == 1.28e-5
+    assert cfg.train_steps == 1 and cfg.train_tokens is None  # the CLI length replaces the preset's
 
 
 def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):

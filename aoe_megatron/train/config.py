@@ -184,6 +184,9 @@ def parse_train_args(argv=None) -> TrainConfig:
         raise ValueError(f"unknown train settings {sorted(unknown)} in preset {args['preset']!r}")
     if "model_overrides" in args:
         args["model_overrides"] = tuple(args["model_overrides"])
+    # The run's length is one setting: a length on the command line replaces the preset's.
+    if {"train_steps", "train_tokens"} & set(args):
+        train_section = {k: v for k, v in train_section.items() if k not in ("train_steps", "train_tokens")}
     return TrainConfig(**{**train_section, **args})
 
 
