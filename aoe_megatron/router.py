@@ -165,7 +165,7 @@ class AoERouter(SelectionRouter):
             top_idx_TK = torch.topk(logits_TE, self.aoe.top_k, dim=-1).indices
             weights_TK = torch.softmax(norms_TE.gather(-1, top_idx_TK), dim=-1)
             probs_TE = torch.zeros_like(norms_TE).scatter(-1, top_idx_TK, weights_TK)
-            return probs_TE, probs_TE > 0
+            return probs_TE, torch.zeros_like(norms_TE, dtype=torch.bool).scatter(-1, top_idx_TK, True)
         probs_TE, routing_map_TE = self.select(norms_TE, padding_mask)
         if torch.is_grad_enabled():
             target_TE = torch.softmax(norms_TE.detach().float(), dim=-1)
