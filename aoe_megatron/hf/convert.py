@@ -448,6 +448,13 @@ class _HFTensors:
         self.where = weight_map or {k: "model.safetensors" for k in self.handles["model.safetensors"].keys()}
         self.used = set()
 
+    def dtype(self, name: str) -> torch.dtype:
+        """From the safetensors header, without reading the tensor."""
+        if name not in self.where:
+            raise ConversionError(f"the Hugging Face folder has no tensor {name!r}")
+        code = self.handles[self.where[name]].get_slice(name).get_dtype()
+        return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[code]
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
             raise ConversionError(f"the Hugging Face folder has no tensor {name!r}")
@@ -475,7 +482,7 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
     config = json.loads((folder / "config.json").read_text())
     cfg = _model_config_checked(folder, config)
     tensors = _HFTensors(folder)
-    dtype = tensors.get("model.embed_tokens.weight").dtype
+    dtype = tensors.dtype("model.embed_tokens.weight")
     out = Path(out)
     with _staged_output(out, overwrite) as tmp:
         owns_group = not dist.is_initialized()  # else: a caller's world of size 1 (tests)
