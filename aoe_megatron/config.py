@@ -12,6 +12,7 @@ CACHE_MODES = ("send", "recompute")
 RANK_SOURCES = ("cache", "frozen_random", "router")
 INFERENCE_SELECTIONS = ("norm", "fon", "router")
 DISPATCHERS = ("alltoall", "allgather")
+EXPERT_BACKENDS = ("auto", "loop", "padded", "grouped_mm", "autograd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,17 @@ class AoEConfig:
     """Expert-parallel token dispatcher: "alltoall" or "allgather"."""
     expert_parallel_size: int = 1
     """EP: ranks the experts are split over; must divide num_experts."""
+    lean_cache: bool = True
+    """Keep only x for the backward of the cache and its norms (x W_down is recomputed there)
+    instead of the whole [T, E * d_low] cache; the dispatched rows keep the selected slices."""
+    expert_backend: str = "auto"
+    """How this rank's experts compute: "loop" (one GEMM per expert), "padded" (one batched GEMM
+    over experts padded to the busiest), "grouped_mm" (``torch._grouped_mm``), "auto" (chosen by
+    device, dtype and shape; see aoe_megatron.grouped) or "autograd" (the plain per-expert
+    autograd loop that keeps every intermediate: the reference)."""
+    recompute_low_rank: bool = False
+    """Also recompute C_i W_up^i in the experts' backward instead of keeping it: d_wide fewer
+    values kept per dispatched row, for one extra low-rank GEMM (d_low x d_wide) per row."""
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "d_model", "d_low", "expert_parallel_size"):
@@ -131,6 +143,12 @@ class AoEConfig:
             raise ValueError(f"AoE alpha_aux must be >= 0, got {self.alpha_aux!r}.")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"unknown AoE cache_mode {self.cache_mode!r}; choose one of {CACHE_MODES}.")
+        if self.expert_backend not in EXPERT_BACKENDS:
+            raise ValueError(f"unknown AoE expert_backend {self.expert_backend!r}; "
+                             f"choose one of {EXPERT_BACKENDS}.")
+        for name in ("lean_cache", "recompute_low_rank"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"AoE {name} must be true or false, got {getattr(self, name)!r}.")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"unknown AoE dispatcher {self.dispatcher!r}; choose one of {DISPATCHERS}.")
 
@@ -160,7 +178,8 @@ MEGATRON_FIELD_MAP = {
     "expert_parallel_size": "expert_model_parallel_size",
 }
 AOE_ONLY_FIELDS = ("d_low", "d_wide", "norm", "weight_mode", "selection_options", "rank_source",
-                   "factorized", "inference_selection", "imitation_coeff", "ent_conf_coeff", "input_jitter", "cache_mode")
+                   "factorized", "inference_selection", "imitation_coeff", "ent_conf_coeff", "input_jitter", "cache_mode",
+                   "lean_cache", "expert_backend", "recompute_low_rank")
 
 
 def from_transformer_config(tc, **aoe_fields) -> AoEConfig:

@@ -43,6 +43,12 @@ class AoESettings:
     """Switch jitter on the layer input (training only)."""
     cache_mode: str = "send"
     """"send" the cache slice with each token, or "recompute" it at the expert."""
+    lean_cache: bool = True
+    """Recompute x W_down for the backward of the norms instead of keeping the [T, E*d_low] cache."""
+    expert_backend: str = "auto"
+    """Expert compute: auto, loop, padded, grouped_mm or autograd (see AoEConfig)."""
+    recompute_low_rank: bool = False
+    """Recompute C_i W_up^i in the experts' backward instead of keeping it."""
 
 
 @dataclass(frozen=True, kw_only=True)
