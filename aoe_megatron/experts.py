@@ -19,7 +19,7 @@ from megatron.core import utils as mcore_utils
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
 
-from aoe_megatron import ops
+from aoe_megatron import grouped, kernels, ops
 from aoe_megatron.config import AoEConfig
 from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
 
@@ -80,16 +80,38 @@ class AoEExperts(MegatronModule):
         Rows are grouped by local expert, ``tokens_per_expert`` rows each. Returns the weighted
         expert outputs [N, D] and no bias (megatron-core's expert interface).
         """
-        d, r = self.aoe.d_model, self.aoe.d_low
         counts = [int(c) for c in tokens_per_expert.tolist()]
+        w_down_LDR = None if w_down_DER is None else self.local_w_down(w_down_DER)
+        if self.aoe.expert_backend == "autograd":
+            out_ND = self.autograd_forward(permuted_input, counts, w_down_LDR)
+            return (out_ND * permuted_probs.unsqueeze(-1)).to(out_ND.dtype), None
+        aoe = self.aoe
+        widths = (aoe.d_model, aoe.d_low, aoe.resolved_d_wide, self.w_up.shape[-1])
+        groups = grouped.make_groups(counts, backend=aoe.expert_backend,
+                                     device=permuted_input.device, dtype=permuted_input.dtype,
+                                     widths=widths)
+        out_ND = kernels.grouped_experts(
+            permuted_input, probs_N=permuted_probs, groups=groups, d_model=aoe.d_model,
+            w_up=self.w_up, w_p=self.w_p, w_o=self.w_o, w_down_LDR=w_down_LDR,
+            factorized=aoe.factorized, recompute_low_rank=aoe.recompute_low_rank,
+        )
+        return out_ND, None
+
+    def local_w_down(self, w_down_DER: torch.Tensor) -> torch.Tensor:
+        """This rank's experts' columns of the stacked W_down [D, E * R], as [L, D, R] (a view)."""
+        r, first = self.aoe.d_low, self.local_expert_indices[0]
+        local_DLR = w_down_DER[:, first * r : (first + self.num_local_experts) * r]
+        return local_DLR.view(self.aoe.d_model, self.num_local_experts, r).permute(1, 0, 2)
+
+    def autograd_forward(self, rows_NX: torch.Tensor, counts, w_down_LDR=None) -> torch.Tensor:
+        """The plain per-expert loop under autograd (unweighted outputs): the reference the
+        grouped path is tested against, and ``expert_backend: autograd``. Backward keeps every
+        intermediate, and indexing the stacked weights fills a full-size gradient per expert."""
+        d = self.aoe.d_model
         outputs = []
-        for local, rows in enumerate(torch.split(permuted_input, counts, dim=0)):
+        for local, rows in enumerate(torch.split(rows_NX, counts, dim=0)):
             x_ND = rows[:, :d]
-            if w_down_DER is None:
-                cache_NR = rows[:, d:]
-            else:
-                g = self.local_expert_indices[local]
-                cache_NR = x_ND @ w_down_DER[:, g * r : (g + 1) * r]
+            cache_NR = rows[:, d:] if w_down_LDR is None else x_ND @ w_down_LDR[local]
             outputs.append(
                 ops.aoe_expert(
                     x_ND, cache_NR.to(x_ND.dtype),
@@ -97,8 +119,7 @@ class AoEExperts(MegatronModule):
                     factorized=self.aoe.factorized,
                 )
             )
-        out_ND = torch.cat(outputs, dim=0)
-        return (out_ND * permuted_probs.unsqueeze(-1)).to(out_ND.dtype), None
+        return torch.cat(outputs, dim=0)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Each stacked weight is this rank's slice of a global [E, ...] tensor along axis 0."""

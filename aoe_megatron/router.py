@@ -18,7 +18,7 @@ from megatron.core.transformer.moe.moe_utils import (
     save_to_aux_losses_tracker,
 )
 
-from aoe_megatron import ops
+from aoe_megatron import kernels, ops
 from aoe_megatron.config import AoEConfig
 from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.selection import select_experts
@@ -142,18 +142,28 @@ class AoERouter(SelectionRouter):
         """hidden_states [S, B, D] -> (probs_TE, routing_map_TE, cache_TER)."""
         e = self.aoe.num_experts
         x_TD = self.jitter(hidden_states.reshape(-1, self.aoe.d_model))
-        cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.weight, num_experts=e)
-        if self.aoe.rank_source == "frozen_random":
-            rank_TER = ops.low_rank_cache(x_TD.detach(), w_down_DER=self.frozen_rank_DER, num_experts=e)
-            scores_TE = ops.expert_norms(rank_TER, order=self.aoe.norm)
-        elif self.aoe.rank_source == "router":
-            scores_TE = x_TD @ self.gate_DE
+        if self.aoe.rank_source == "cache" and self.aoe.lean_cache:
+            # the cache is not kept for the norms' backward (recomputed there from x)
+            cache_TER, scores_TE = kernels.cache_and_norms(
+                x_TD, w_down_DER=self.weight, num_experts=e, order=self.aoe.norm)
         else:
-            scores_TE = ops.expert_norms(cache_TER, order=self.aoe.norm)
+            cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.weight, num_experts=e)
+            scores_TE = self._rank_scores(x_TD, cache_TER)
         if self.aoe.inference_selection == "router":
             return self._with_imitation_router(x_TD, scores_TE, padding_mask) + (cache_TER,)
         probs_TE, routing_map_TE = self.select(scores_TE, padding_mask)
         return probs_TE, routing_map_TE, cache_TER
+
+    def _rank_scores(self, x_TD: torch.Tensor, cache_TER: torch.Tensor) -> torch.Tensor:
+        """What ranks the experts (``rank_source``): the cache's norms, a frozen random
+        projection's norms, or a linear router's logits."""
+        if self.aoe.rank_source == "frozen_random":
+            rank_TER = ops.low_rank_cache(x_TD.detach(), w_down_DER=self.frozen_rank_DER,
+                                          num_experts=self.aoe.num_experts)
+            return ops.expert_norms(rank_TER, order=self.aoe.norm)
+        if self.aoe.rank_source == "router":
+            return x_TD @ self.gate_DE
+        return ops.expert_norms(cache_TER, order=self.aoe.norm)
 
     def _with_imitation_router(self, x_TD, norms_TE, padding_mask):
         """The rebuttal's imitation router: in training, selection by the norms as usual, plus a

@@ -42,17 +42,17 @@ def _summed(t):
     return t
 
 
-def _check_ep_equals_ep1(rank, world_size, num_experts, top_k):
+def _check_ep_equals_ep1(rank, world_size, num_experts, top_k, expert_backend="auto"):
     single = _singleton_pg_collection(rank, world_size)
     for dispatcher, cache_mode in CASES:
-        where = f"[rank {rank}, EP={world_size}, {dispatcher}, cache {cache_mode}]"
+        where = f"[rank {rank}, EP={world_size}, {dispatcher}, cache {cache_mode}, {expert_backend}]"
         layers = {}
         for ep, pgc in ((world_size, None), (1, single)):
             torch.manual_seed(7)  # same global RNG state -> same initial weights
             tc = make_transformer_config(d_model=D, num_experts=num_experts, top_k=top_k, ep=ep,
                                          dispatcher=dispatcher, alpha_aux=0.01)
             layers[ep] = build_aoe_layer(tc, pg_collection=pgc, d_low=R, d_wide=W,
-                                         cache_mode=cache_mode)
+                                         cache_mode=cache_mode, expert_backend=expert_backend)
         par, ref = layers[world_size], layers[1]
         local = par.experts.local_expert_indices
         assert len(local) == num_experts // world_size
@@ -88,3 +88,8 @@ def test_ep2_equals_ep1():
 
 def test_ep4_equals_ep1():
     run_distributed(_check_ep_equals_ep1, 4, 8, 2)
+
+
+def test_ep2_equals_ep1_with_padded_and_autograd_experts():
+    run_distributed(_check_ep_equals_ep1, 2, 4, 2, "padded")
+    run_distributed(_check_ep_equals_ep1, 2, 4, 2, "autograd")
