@@ -6,9 +6,10 @@ STAMP  := $(VENV)/.installed
 ASSETS := assets/.fetched
 CORPUS_PREFIX := data/shakespeare_text_document
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 
-.PHONY: help setup assets system-deps test demo smoke params preprocess bench-preprocess lint clean
+.PHONY: help setup assets system-deps test demo smoke params preprocess bench bench-preprocess lint clean
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
@@ -16,6 +17,7 @@ help:
 	@echo "make test    - the test suite (CPU, gloo; what CI runs)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
+	@echo "make bench   - AoE vs megatron-core MoE: time, memory, FLOPs into bench/ (BENCH_ARGS=--quick: seconds)"
 	@echo "make bench-preprocess - preprocessing speed against the tokenizer's own (50 MB)"
 	@echo "make setup   - $(VENV) with the pinned dependencies, plus the offline assets"
 	@echo "make lint    - byte-compile every module (no network needed)"
@@ -72,6 +74,11 @@ preprocess: $(CORPUS_PREFIX).idx
 $(CORPUS_PREFIX).idx: $(ASSETS)
 	$(PY) tools/preprocess_data.py --input assets/corpus/shakespeare.jsonl \
 		--output-prefix data/shakespeare --append-eod --workers 2 --overwrite
+
+# AoE vs megatron-core's MoE layer (issue #11): bench/results.json and bench/README.md.
+# On one GPU: tools/bench_gpu.sh.
+bench: setup
+	$(PY) tools/bench.py $(BENCH_ARGS)
 
 bench-preprocess: setup
 	$(PY) tools/bench_preprocess.py

@@ -154,24 +154,24 @@ def grouped_mm_supports(dtype: torch.dtype, widths: Sequence[int], device: torch
     return all((w * size) % 16 == 0 for w in widths)
 
 
-def auto_backend(*, device: torch.device, dtype: torch.dtype, widths: Sequence[int],
-                 num_groups: int) -> str:
+def auto_backend(*, device: torch.device, dtype: torch.dtype, widths: Sequence[int]) -> str:
     """The backend "auto" picks.
 
     CUDA: ``grouped_mm`` where it applies (bf16, aligned widths), else ``loop``.
-    CPU: ``padded`` for many small groups (>= 16 local experts), where one batched GEMM beats
-    many small ones, else ``loop``: what ``make bench`` measured (bench/README.md).
+    CPU: ``loop``: it beat ``padded`` and ``grouped_mm`` at every shape ``make bench`` measured
+    (bench/README.md): one expert at a time keeps its intermediates in cache, while padding
+    adds rows and whole-layer elementwise passes are memory-bound.
     """
-    if device.type == "cuda":
-        return "grouped_mm" if grouped_mm_supports(dtype, widths, device) else "loop"
-    return "padded" if num_groups >= 16 else "loop"
+    if device.type == "cuda" and grouped_mm_supports(dtype, widths, device):
+        return "grouped_mm"
+    return "loop"
 
 
 def make_groups(counts: Sequence[int], *, backend: str, device: torch.device,
                 dtype: torch.dtype, widths: Sequence[int]):
     """The ``Groups`` for ``backend`` ("auto" resolved by ``auto_backend``)."""
     if backend == "auto":
-        backend = auto_backend(device=device, dtype=dtype, widths=widths, num_groups=len(counts))
+        backend = auto_backend(device=device, dtype=dtype, widths=widths)
     if backend == "loop":
         return LoopGroups(counts)
     if backend == "padded":

@@ -194,13 +194,12 @@ def test_bf16_grouped_mm_tracks_the_loop():
 
 def test_backend_choice_and_clear_errors():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    pick = lambda dev, dt, widths, n: grouped.auto_backend(  # noqa: E731
-        device=dev, dtype=dt, widths=widths, num_groups=n)
-    assert pick(cuda, torch.bfloat16, (768, 256, 3840), 8) == "grouped_mm"
-    assert pick(cuda, torch.float32, (768, 256, 3840), 8) == "loop"  # CUDA grouped GEMMs: bf16
-    assert pick(cuda, torch.bfloat16, (768, 250, 3840), 8) == "loop"  # 500 bytes: unaligned
-    assert pick(cpu, torch.float32, (768, 256, 3840), 8) == "loop"
-    assert pick(cpu, torch.float32, (768, 64, 528), 64) == "padded"
+    pick = lambda dev, dt, widths: grouped.auto_backend(device=dev, dtype=dt, widths=widths)  # noqa: E731
+    assert pick(cuda, torch.bfloat16, (768, 256, 3840)) == "grouped_mm"
+    assert pick(cuda, torch.float32, (768, 256, 3840)) == "loop"  # CUDA grouped GEMMs: bf16
+    assert pick(cuda, torch.bfloat16, (768, 250, 3840)) == "loop"  # 500 bytes: unaligned
+    assert pick(cpu, torch.float32, (768, 256, 3840)) == "loop"
+    assert pick(cpu, torch.float32, (768, 64, 528)) == "loop"
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         grouped.make_groups([1, 2], backend="grouped_mm", device=cpu, dtype=torch.float32,
                             widths=(16, 6, 20))

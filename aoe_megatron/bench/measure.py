@@ -1,0 +1,133 @@
+"""Measurement probes: wall and CPU time, saved-for-backward bytes, peak memory, GEMM peak.
+
+Peak memory on CPU: there is no allocator statistic, so the benchmark asks glibc to serve every
+allocation of 64 KiB or more with its own mmap (``mallopt(M_MMAP_THRESHOLD, 64 KiB)``): freed
+tensors then leave the resident set at once and RSS tracks live tensors. A measurement resets
+the kernel's high-water mark (``/proc/self/clear_refs`` "5"), reads VmRSS, runs, and reads VmHWM.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from typing import Callable, Iterable
+
+import torch
+
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
+def synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: torch.device | str) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of ``fn()``; CUDA work is synchronized around it."""
+    synchronize(device)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - wall0, time.process_time() - cpu0
+
+
+def summarize(values: list[float]) -> dict:
+    """Median, min and max of repeated measurements, plus the raw values."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "reps": list(values)}
+
+
+def ratio(a: float, b: float) -> float | None:
+    """a / b, or None where b is 0 (e.g. a peak below what the CPU probe resolves)."""
+    return a / b if b else None
+
+
+class SavedTensorBytes:
+    """Bytes autograd saves for backward inside the ``with`` block, parameters excluded.
+
+    Each saved tensor's storage counts once (views of one storage share it), keyed by the
+    storage's address. NOTE: only tensors that go through autograd's saved-tensor mechanism
+    (``save_for_backward`` and built-in ops) are seen; tensors an autograd Function keeps as
+    plain ``ctx`` attributes are not.
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded = {p.untyped_storage().data_ptr() for p in exclude}
+        self.storages: dict[int, int] = {}
+        self.count = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._excluded:
+            self.storages[key] = storage.nbytes()
+        return tensor
+
+    @staticmethod
+    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.storages.values())
+
+    def __enter__(self) -> "SavedTensorBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def enable_cpu_peak_tracking() -> bool:
+    """Make RSS track live tensors (glibc, Linux); False where that is not possible."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return ok
+    except OSError:
+        return False
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device | str) -> int:
+    """Peak bytes ``fn()`` adds above what was in use when it started.
+
+    CUDA: the caching allocator's max_memory_allocated. CPU: VmHWM - VmRSS (see the module note;
+    call ``enable_cpu_peak_tracking`` once first).
+    """
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _proc_status_bytes("VmRSS")
+    fn()
+    return _proc_status_bytes("VmHWM") - before
+
+
+def gemm_peak_flops(device: torch.device | str, dtype: torch.dtype, *, n: int = 2048,
+                    reps: int = 3) -> float:
+    """The best FLOP/s of an n x n x n matmul at this device and dtype (the MFU denominator)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = min(timed(lambda: a @ b, device)[0] for _ in range(reps))
+    return 2 * n ** 3 / best

@@ -1,0 +1,144 @@
+"""Model level: a GPTModel training step (forward, backward, AdamW) with AoE or stock MoE layers.
+
+Reports tokens/s, peak memory and model FLOPs utilisation: the analytic model FLOPs of a step
+(``flops.model_step_flops``) divided by the step time and by the best FLOP/s of a bare matmul
+measured in the same run at the same dtype (``measure.gemm_peak_flops``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from aoe_megatron.bench import flops as fl
+from aoe_megatron.bench.measure import gemm_peak_flops, peak_memory, ratio, summarize, timed
+
+ARCHS = ("moe", "aoe")
+# name -> (preset, overrides, micro batch). NOTE: the 732M preset shrunk to 2 layers and 1024
+# tokens a step, so that a step takes seconds on a 2-core CPU (the 32k-vocabulary output layer is
+# then a third of the FLOPs).
+MODELS = {
+    "tiny": ("tiny", {}, 4),
+    "732m-2l": ("732m", {"num_layers": 2, "seq_length": 1024}, 1),
+}
+QUICK_MODELS = {"tiny": ("tiny", {}, 2)}
+
+
+def _build(preset: str, overrides: dict, arch: str, *, device: str, dtype: torch.dtype,
+           use_te: bool):
+    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+
+    cfg = load_preset(preset, arch=arch, **overrides)
+    extra = {"use_cpu_initialization": device == "cpu", "params_dtype": dtype,
+             "bf16": dtype == torch.bfloat16}
+    if use_te and arch == "moe":
+        extra["moe_grouped_gemm"] = True  # megatron-core's TE spec uses TEGroupedMLP
+    tc = transformer_config(cfg, **extra)
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, tc, use_te=use_te).to(device=device, dtype=dtype)
+    return cfg, model
+
+
+def _step_fn(model, opt, inputs, labels, position_ids):
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    def step():
+        # NOTE: gradients persist across steps (as megatron's gradient buffers do), so the peak
+        # memory of a step is what it adds above parameters, gradients and optimizer state.
+        opt.zero_grad(set_to_none=False)
+        loss = model(inputs, position_ids, None, labels=labels).float().mean()
+        loss.backward()
+        opt.step()
+        clear_aux_losses_tracker()
+
+    return step
+
+
+def matmul_params(cfg) -> int:
+    """Parameters a token multiplies by: every W_down for AoE (the cache covers all experts), the
+    K selected experts, attention, router, output layer; the input embedding (a lookup) excluded."""
+    from aoe_megatron.params import count_parameters
+
+    count = count_parameters(cfg)
+    return count.active_with_all_caches - count.embedding
+
+
+def bench_model(name: str, preset: str, overrides: dict, micro_batch: int, *, device: str,
+                dtype: torch.dtype, use_te: bool, reps: int, phase: str = "time", log=print) -> dict:
+    """One phase of a model: "time" (alternating timed steps) or "memory" (one untimed step's
+    peak, run after ``measure.enable_cpu_peak_tracking``)."""
+    runs, cfgs = {}, {}
+    for arch in ARCHS:
+        log(f"[model {name}] {phase}: building {arch}")
+        cfg, model = _build(preset, overrides, arch, device=device, dtype=dtype, use_te=use_te)
+        seq = cfg.seq_length
+        gen = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(micro_batch, -1)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
+        runs[arch] = _step_fn(model, opt, tokens[:, :-1], tokens[:, 1:], position_ids)
+        cfgs[arch] = cfg
+        if phase == "memory":  # one model at a time: the other's memory stays out of the probe
+            log(f"[model {name}] {arch} warm-up (allocates the AdamW state), then peak memory")
+            runs[arch]()
+            runs[arch] = peak_memory(runs[arch], device)
+    if phase == "memory":
+        return {"archs": {arch: {"peak_bytes": runs[arch]} for arch in ARCHS}}
+    for arch in ARCHS:
+        log(f"[model {name}] {arch} warm-up (allocates the AdamW state)")
+        runs[arch]()
+    wall = {arch: [] for arch in ARCHS}
+    cpu = {arch: [] for arch in ARCHS}
+    for i in range(reps):
+        for arch in ARCHS:
+            w, c = timed(runs[arch], device)
+            wall[arch].append(w)
+            cpu[arch].append(c)
+            log(f"[model {name}] {arch} rep {i + 1}/{reps}: {w:.3f} s wall, {c:.3f} s CPU")
+    out = {}
+    for arch in ARCHS:
+        cfg = cfgs[arch]
+        tokens = micro_batch * cfg.seq_length
+        n = matmul_params(cfg)
+        step_flops = fl.model_step_flops(tokens=tokens, matmul_params=n, num_layers=cfg.num_layers,
+                                         d_model=cfg.hidden_size, seq_length=cfg.seq_length)
+        out[arch] = {"time_s": summarize(wall[arch]), "cpu_s": summarize(cpu[arch]),
+                     "tokens_per_step": tokens, "matmul_params": n,
+                     "model_flops_per_step": step_flops}
+    return {"preset": preset, "overrides": overrides, "micro_batch": micro_batch,
+            "seq_length": cfgs["aoe"].seq_length, "num_layers": cfgs["aoe"].num_layers,
+            "archs": out}
+
+
+def merge(timed_part: dict, memory_part: dict | None) -> dict:
+    """Join the phases: tokens/s, MFU against the measured matmul peak, ratios."""
+    peak = timed_part["peak_flops"]
+    models = {}
+    for name, res in timed_part["models"].items():
+        mem = (memory_part or {}).get(name, {"archs": {}})
+        archs = {}
+        for arch, a in res["archs"].items():
+            median = a["time_s"]["median"]
+            archs[arch] = {**a, "peak_bytes": mem["archs"].get(arch, {}).get("peak_bytes"),
+                           "tokens_per_s": a["tokens_per_step"] / median,
+                           "mfu": a["model_flops_per_step"] / median / peak}
+        aoe, moe = archs["aoe"], archs["moe"]
+        models[name] = {**res, "archs": archs, "ratios": {
+            "time": ratio(aoe["time_s"]["median"], moe["time_s"]["median"]),
+            "peak": ratio(aoe["peak_bytes"], moe["peak_bytes"]) if moe["peak_bytes"] else None,
+            "flops": ratio(aoe["model_flops_per_step"], moe["model_flops_per_step"])}}
+    return {"peak_flops": peak, "models": models}
+
+
+def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int,
+        phase: str = "time", log=print) -> dict:
+    table = QUICK_MODELS if quick else MODELS
+    results = {name: bench_model(name, preset, overrides, mb, device=device, dtype=dtype,
+                                 use_te=use_te, reps=reps, phase=phase, log=log)
+               for name, (preset, overrides, mb) in table.items()}
+    if phase == "memory":
+        return results
+    n = 512 if quick else 2048
+    log(f"[model] measuring the matmul peak ({n}^3, {dtype})")
+    peak = gemm_peak_flops(device, dtype, n=n)
+    log(f"[model] matmul peak {peak / 1e9:.1f} GFLOP/s")
+    return {"peak_flops": peak, "models": results}

@@ -1,0 +1,150 @@
+"""Benchmark the AoE MoE layer against megatron-core's stock MoE layer (issue #11): `make bench`.
+
+    python tools/bench.py                      # full run: layer, model and EP=2 levels
+    python tools/bench.py --quick --out /tmp/b # tiny shapes, 2 reps: seconds
+    python tools/bench.py --only layer --shapes 732m,fine64 --reps 7
+
+Writes DIR/results.json (every number) and DIR/README.md (the tables, the command, the machine).
+Timings are medians over reps with the arms alternating rep by rep after one warm-up each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LEVELS = ("layer", "model", "ep")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, 2 reps (seconds; the test)")
+    ap.add_argument("--out", type=Path, default=REPO / "bench", help="output folder (default bench/)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="default: cuda when available, else cpu")
+    ap.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                    help="default: fp32 on CPU, bf16 on CUDA")
+    ap.add_argument("--reps", type=int,
+                    help="timed reps per arm (default 5, the 4b shape 3; 2 with --quick)")
+    ap.add_argument("--model-reps", type=int,
+                    help="timed steps per arch at the model level (default 3; 2 with --quick)")
+    ap.add_argument("--only", type=_csv, default=list(LEVELS),
+                    help=f"comma-separated levels to run, of {','.join(LEVELS)} (default: all)")
+    ap.add_argument("--shapes", type=_csv,
+                    help="layer shapes (default all: 732m,4b,fine64; --quick: tiny8,tiny64)")
+    ap.add_argument("--te", choices=("auto", "on", "off"), default="auto",
+                    help="megatron-core's TransformerEngine spec (grouped GEMM) for MoE: default on "
+                         "with CUDA and TE installed")
+    args = ap.parse_args(argv)
+    bad = sorted(set(args.only) - set(LEVELS))
+    if bad or not args.only:
+        ap.error(f"--only takes a comma-separated list of {', '.join(LEVELS)}; got {bad or 'nothing'}")
+    args.reps_explicit = args.reps is not None
+    if args.reps is None:
+        args.reps = 2 if args.quick else 5
+    if args.model_reps is None:
+        args.model_reps = 2 if args.quick else 3
+    for flag, value in (("--reps", args.reps), ("--model-reps", args.model_reps)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # megatron's CPU patches apply only without CUDA
+    return ap, args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    start = time.perf_counter()
+    ap, args = parse_args(argv)
+
+    import torch
+
+    from aoe_megatron.compat import have_transformer_engine, quiet_cpu_fallback_warnings
+
+    quiet_cpu_fallback_warnings()
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        ap.error("--device cuda: torch sees no CUDA device here (use --device cpu)")
+    device = "cuda" if args.device == "auto" and cuda else ("cpu" if args.device == "auto" else args.device)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    dtype = getattr(torch, DTYPES[dtype_name])
+    have_te = have_transformer_engine() and device == "cuda"
+    if args.te == "on" and not have_te:
+        ap.error("--te on needs CUDA and TransformerEngine installed")
+    use_te = have_te if args.te == "auto" else args.te == "on"
+
+    from aoe_megatron.bench import ep, layer, model, report
+    from aoe_megatron.bench.measure import enable_cpu_peak_tracking
+
+    table = layer.QUICK_SHAPES if args.quick else layer.SHAPES
+    if args.shapes and set(args.shapes) - set(table):
+        ap.error(f"--shapes: unknown {sorted(set(args.shapes) - set(table))}; "
+                 f"{'with --quick ' if args.quick else ''}choose from {','.join(table)}")
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+
+    from aoe_megatron.distributed import init_megatron, shutdown
+
+    command = "tools/bench.py " + " ".join(shlex.quote(a) for a in argv)
+    log(f"{command}: device {device}, dtype {dtype_name}, TE {'on' if use_te else 'off'}, "
+        f"{args.reps} reps ({args.model_reps} at the model level), levels {','.join(args.only)}")
+    results: dict = {}
+    kw = dict(quick=args.quick, device=device, dtype=dtype, use_te=use_te, log=log)
+    layer_kw = dict(shapes=args.shapes, reps=args.reps, reps_explicit=args.reps_explicit)
+    init_megatron(expert_parallel_size=1)
+    try:
+        # Timings first, with the allocator as it is; the CPU memory probe changes how glibc
+        # serves allocations (every one >= 64 KiB mmapped), which would slow every step.
+        timed_layer = layer.run(**kw, **layer_kw) if "layer" in args.only else None
+        timed_model = model.run(**kw, reps=args.model_reps) if "model" in args.only else None
+        if "ep" in args.only:  # spawned processes: a fresh allocator each
+            results["ep"] = ep.run(quick=args.quick, device=device, dtype=dtype, use_te=use_te,
+                                   reps=args.reps, log=log)
+        if device == "cpu" and not enable_cpu_peak_tracking():
+            ap.error("peak memory on CPU needs Linux with glibc and a writable /proc/self/clear_refs")
+        if timed_layer is not None:
+            results["layer"] = layer.merge(timed_layer, layer.run(**kw, **layer_kw, phase="memory"))
+        if timed_model is not None:
+            results["model"] = model.merge(timed_model, model.run(**kw, reps=1, phase="memory"))
+    finally:
+        shutdown()
+    results["meta"] = {
+        "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - start, "quick": args.quick, "reps": args.reps,
+        "model_reps": args.model_reps,
+        "device": device, "dtype": dtype_name, "use_te": use_te,
+        "machine": report.machine_info(device), "notes": [],
+    }
+    capped = {n: layer.reps_for(n, args.reps, explicit=args.reps_explicit)
+              for n in results.get("layer", {})}
+    capped = {n: r for n, r in capped.items() if r != args.reps}
+    if capped:
+        results["meta"]["notes"].append(
+            "fewer timed reps at " + ", ".join(f"{n} ({r})" for n, r in capped.items()) +
+            " to keep the default run short; --reps N sets every shape.")
+    if args.quick:
+        results["meta"]["notes"].append(
+            "--quick: tiny shapes and few reps, to check the tool; the timings mean little and "
+            "CPU peak memory does not see allocations under 64 KiB.")
+    json_path, md_path = report.write(results, args.out)
+    print()
+    print(report.markdown(results))
+    log(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
