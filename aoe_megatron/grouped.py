@@ -25,15 +25,20 @@ BACKENDS = ("loop", "padded", "grouped_mm")
 
 
 class Dense:
-    """One expert's GEMMs on 2-D tensors: the operations the ``loop`` backend runs per expert."""
+    """One expert's GEMMs on 2-D tensors: the operations the ``loop`` backend runs per expert.
+
+    ``out``: where a backend with ``accepts_out`` writes the product (scratch memory reused).
+    """
+
+    accepts_out = True
 
     @staticmethod
-    def mm(x_NA: torch.Tensor, w_AB: torch.Tensor) -> torch.Tensor:
-        return x_NA @ w_AB
+    def mm(x_NA: torch.Tensor, w_AB: torch.Tensor, out=None) -> torch.Tensor:
+        return torch.mm(x_NA, w_AB, out=out) if out is not None else x_NA @ w_AB
 
     @staticmethod
-    def mm_t(x_NB: torch.Tensor, w_AB: torch.Tensor) -> torch.Tensor:
-        return x_NB @ w_AB.t()
+    def mm_t(x_NB: torch.Tensor, w_AB: torch.Tensor, out=None) -> torch.Tensor:
+        return Dense.mm(x_NB, w_AB.t(), out=out)
 
     @staticmethod
     def wgrad(x_NA: torch.Tensor, dy_NB: torch.Tensor, name=None) -> torch.Tensor:
@@ -68,6 +73,7 @@ class PaddedGroups:
 
     name = "padded"
     per_group = False
+    accepts_out = True
 
     def __init__(self, counts: Sequence[int], device: torch.device):
         self.counts = [int(c) for c in counts]
@@ -93,12 +99,12 @@ class PaddedGroups:
         return flat if self.balanced else flat.index_select(0, self.slot_N)
 
     @staticmethod
-    def mm(x_LMA: torch.Tensor, w_LAB: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(x_LMA, w_LAB)
+    def mm(x_LMA: torch.Tensor, w_LAB: torch.Tensor, out=None) -> torch.Tensor:
+        return torch.bmm(x_LMA, w_LAB, out=out)
 
     @staticmethod
-    def mm_t(x_LMB: torch.Tensor, w_LAB: torch.Tensor) -> torch.Tensor:
-        return torch.bmm(x_LMB, w_LAB.transpose(1, 2))
+    def mm_t(x_LMB: torch.Tensor, w_LAB: torch.Tensor, out=None) -> torch.Tensor:
+        return torch.bmm(x_LMB, w_LAB.transpose(1, 2), out=out)
 
     @staticmethod
     def wgrad(x_LMA: torch.Tensor, dy_LMB: torch.Tensor, name=None) -> torch.Tensor:
@@ -110,6 +116,7 @@ class GroupedMMGroups:
 
     name = "grouped_mm"
     per_group = False
+    accepts_out = False
 
     def __init__(self, counts: Sequence[int], device: torch.device):
         self.counts = [int(c) for c in counts]
@@ -124,11 +131,12 @@ class GroupedMMGroups:
     def unpack(t_N: torch.Tensor) -> torch.Tensor:
         return t_N
 
-    def mm(self, x_NA: torch.Tensor, w_LAB: torch.Tensor) -> torch.Tensor:
+    def mm(self, x_NA: torch.Tensor, w_LAB: torch.Tensor, out=None) -> torch.Tensor:
+        assert out is None, "torch._grouped_mm has no out= form"
         return torch._grouped_mm(_aligned(x_NA), w_LAB, offs=self.offs_L)
 
-    def mm_t(self, x_NB: torch.Tensor, w_LAB: torch.Tensor) -> torch.Tensor:
-        return self.mm(x_NB, w_LAB.transpose(-2, -1))
+    def mm_t(self, x_NB: torch.Tensor, w_LAB: torch.Tensor, out=None) -> torch.Tensor:
+        return self.mm(x_NB, w_LAB.transpose(-2, -1), out=out)
 
     def wgrad(self, x_NA: torch.Tensor, dy_NB: torch.Tensor, name=None) -> torch.Tensor:
         return torch._grouped_mm(_aligned(x_NA).t(), _aligned(dy_NB), offs=self.offs_L)

@@ -41,18 +41,33 @@ class _CacheNorms(torch.autograd.Function):
         x_TD, w_down_DER = ctx.saved_tensors
         d_cache = d_cache_TER
         if d_norms_TE is not None:
-            with torch.enable_grad():
-                cache_TER = ops.low_rank_cache(x_TD, w_down_DER=w_down_DER,
-                                               num_experts=ctx.num_experts).detach().requires_grad_()
-                norms_TE = ops.expert_norms(cache_TER, order=ctx.order)
-                (d_from_norms,) = torch.autograd.grad(norms_TE, cache_TER, d_norms_TE)
-            d_cache = d_from_norms if d_cache is None else d_cache + d_from_norms
+            # the cache again (one GEMM), then the norms' gradient; in place on the fresh cache
+            cache_TER = ops.low_rank_cache(x_TD, w_down_DER=w_down_DER, num_experts=ctx.num_experts)
+            d_from_norms = _norm_backward(cache_TER, d_norms_TE, ctx.order)
+            d_cache = d_from_norms if d_cache is None else d_from_norms.add_(d_cache)
         if d_cache is None:
             return None, None, None, None
         d_cache_TX = d_cache.reshape(x_TD.shape[0], -1)
         dx = d_cache_TX @ w_down_DER.t() if ctx.needs_input_grad[0] else None
         dw = x_TD.t() @ d_cache_TX if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
+
+
+def _norm_backward(cache_TER: torch.Tensor, d_norms_TE: torch.Tensor, order: str) -> torch.Tensor:
+    """d||C_i|| / dC_i times the incoming gradient, overwriting ``cache_TER`` where it can.
+
+    L2: C_i * (g / ||C_i||), 0 where the norm is 0 (torch's own norm backward); L1 and L-inf go
+    through autograd.
+    """
+    if order == "l2":
+        norms_TE = ops.expert_norms(cache_TER, order="l2")
+        scale_TE = (d_norms_TE / norms_TE).masked_fill_(norms_TE == 0, 0)
+        return cache_TER.mul_(scale_TE.unsqueeze(-1))
+    with torch.enable_grad():
+        cache_TER.requires_grad_()
+        norms_TE = ops.expert_norms(cache_TER, order=order)
+        (d_cache,) = torch.autograd.grad(norms_TE, cache_TER, d_norms_TE)
+    return d_cache
 
 
 def cache_and_norms(x_TD: torch.Tensor, *, w_down_DER: torch.Tensor, num_experts: int,
@@ -62,7 +77,36 @@ def cache_and_norms(x_TD: torch.Tensor, *, w_down_DER: torch.Tensor, num_experts
     return _CacheNorms.apply(x_TD, w_down_DER, num_experts, order)
 
 
-def _expert_forward(mm, x, c, w_up, w_p, w_o, p, factorized: str):
+class _Scratch:
+    """Scratch buffers: reused expert after expert (backend "loop": ``rows`` = the busiest
+    expert's rows), or fresh ones for a single pass over everything (``rows`` None).
+
+    NOTE: on CPUs a fresh [rows, d_wide] tensor costs more to fault in than the elementwise op
+    that fills it; reusing memory (and writing in place) keeps the expert math GEMM-bound.
+    """
+
+    def __init__(self, rows: Optional[int] = None):
+        self.rows, self.flat = rows, {}
+
+    def get(self, key: str, like: torch.Tensor) -> torch.Tensor:
+        if self.rows is None:
+            return torch.empty_like(like)
+        width = like.shape[-1]
+        buf = self.flat.get(key)
+        if buf is None or buf.numel() < self.rows * width or buf.dtype != like.dtype:
+            buf = self.flat[key] = like.new_empty(self.rows * width)
+        return buf[: like.numel()].view(like.shape)
+
+
+def _row_dot(a, b, dtype):
+    """sum(a * b, -1) in ``dtype`` (a batched dot product where no cast is needed)."""
+    if a.dtype == b.dtype == dtype:
+        width = a.shape[-1]
+        return torch.bmm(a.reshape(-1, 1, width), b.reshape(-1, width, 1)).view(a.shape[:-1])
+    return (a.to(dtype) * b).sum(-1)
+
+
+def _expert_forward(mm, scratch, x, c, w_up, w_p, w_o, p, factorized: str, out=None):
     """(out, act, lin) for one expert (2-D tensors, ``mm`` = grouped.Dense) or all experts
     (the groups' layout, ``mm`` = the groups): out = (SiLU(act) * lin * p) W_o."""
     lin = mm.mm(x, w_p)
@@ -71,22 +115,26 @@ def _expert_forward(mm, x, c, w_up, w_p, w_o, p, factorized: str):
     else:
         low = mm.mm(c, w_up)
         act, lin = (low, lin) if factorized == "gate" else (lin, low)
-    h = (F.silu(act) * lin * p).to(x.dtype)
-    return mm.mm(h, w_o), act, lin
+    # h = SiLU(act) * lin * p, computed in p's precision where it is wider (as megatron-core's
+    # MLP scales by the probabilities), written in the activations' dtype
+    h = torch.ops.aten.silu.out(act, out=scratch.get("h", act)).mul_(lin).mul_(p)
+    return mm.mm(h, w_o, out=out), act, lin
 
 
-def _expert_backward(mm, dy, x, c, act, lin, p, w_down, w_up, w_p, w_o, factorized: str, need):
+def _expert_backward(mm, scratch, dy, x, c, act, lin, p, w_down, w_up, w_p, w_o,
+                     factorized: str, need, d_rows=None):
     """Gradients of ``_expert_forward`` (and of c = x W_down when ``w_down`` is given):
-    (d_rows, d_w_down, d_w_up, d_w_p, d_w_o, d_probs), d_rows = [dx | dc] or dx."""
-    silu = F.silu(act)
-    g = silu * lin  # the unweighted hidden state
-    dh = mm.mm_t(dy, w_o)
-    # h = (g * p) in p's precision, cast to the activations' dtype (as megatron-core's MLP)
-    d_probs = (dh.to(p.dtype) * g).sum(-1) if need["probs"] else None
-    d_w_o = mm.wgrad((g * p).to(x.dtype), dy, "w_o") if need["w_o"] else None
-    dg = (dh * p).to(x.dtype)
-    d_lin = dg * silu
-    d_act = torch.ops.aten.silu_backward(dg * lin, act)
+    (d_rows, d_w_down, d_w_up, d_w_p, d_w_o, d_probs); d_rows = [dx | dc] or dx, written into
+    ``d_rows`` when given."""
+    silu = torch.ops.aten.silu.out(act, out=scratch.get("silu", act))
+    g = torch.mul(silu, lin, out=scratch.get("g", act))  # the unweighted hidden state
+    dh = mm.mm_t(dy, w_o, out=scratch.get("dh", act) if mm.accepts_out else None)
+    d_probs = _row_dot(dh, g, p.dtype) if need["probs"] else None
+    # (g p)^T dy = g^T (p dy): the scaling on the narrow side
+    d_w_o = mm.wgrad(g, (dy * p).to(x.dtype), "w_o") if need["w_o"] else None
+    dg = dh.mul_(p)  # gradient of g
+    d_lin = silu.mul_(dg)
+    d_act = torch.ops.aten.silu_backward.grad_input(dg.mul_(lin), act, grad_input=g)
     if factorized == "none":
         r = c.shape[-1]
         d_c, d_up = d_act[..., :r], d_act[..., r:]
@@ -99,10 +147,19 @@ def _expert_backward(mm, dy, x, c, act, lin, p, w_down, w_up, w_p, w_o, factoriz
         d_c = mm.mm_t(d_low, w_up)
         d_w_p = mm.wgrad(x, d_x_side, "w_p") if need["w_p"] else None
         dx = mm.mm_t(d_x_side, w_p)
-    if w_down is None:
-        return torch.cat([dx, d_c.to(dx.dtype)], dim=-1), None, d_w_up, d_w_p, d_w_o, d_probs
-    d_w_down = mm.wgrad(x, d_c, "w_down") if need["w_down"] else None
-    return dx + mm.mm_t(d_c, w_down), d_w_down, d_w_up, d_w_p, d_w_o, d_probs
+    d_w_down = None
+    if w_down is not None:
+        d_w_down = mm.wgrad(x, d_c, "w_down") if need["w_down"] else None
+        dx = dx + mm.mm_t(d_c, w_down)
+    if d_rows is not None:  # NOTE: d_c may view scratch memory: consumed before the next expert
+        d_rows[..., : dx.shape[-1]].copy_(dx)
+        if w_down is None:
+            d_rows[..., dx.shape[-1] :].copy_(d_c)
+    elif w_down is None:
+        d_rows = torch.cat([dx, d_c.to(dx.dtype)], dim=-1)
+    else:
+        d_rows = dx
+    return d_rows, d_w_down, d_w_up, d_w_p, d_w_o, d_probs
 
 
 _INPUTS = ("rows", "w_down", "w_up", "w_p", "w_o", "probs")
@@ -118,13 +175,16 @@ class _GroupedExperts(torch.autograd.Function):
                 factorized: str, recompute_low_rank: bool):
         drop = recompute_low_rank and factorized != "none"
         weights = (w_down_LDR, w_up, w_p, w_o)
+        scratch = _Scratch(max(groups.counts, default=0) if groups.per_group else None)
+        out_ND = rows_NX.new_empty(rows_NX.shape[0], d_model) if groups.per_group else None
         parts = []
         for sl, mm, (wd, wu, wp, wo) in _pieces(groups, weights):
             rows = _layout(groups, rows_NX)[sl]
             x = rows[..., :d_model]
             c = (rows[..., d_model:] if wd is None else mm.mm(x, wd)).to(x.dtype)
             p = _layout(groups, probs_N)[sl].unsqueeze(-1)
-            out, act, lin = _expert_forward(mm, x, c, wu, wp, wo, p, factorized)
+            out, act, lin = _expert_forward(mm, scratch, x, c, wu, wp, wo, p, factorized,
+                                            out=None if out_ND is None else out_ND[sl])
             if drop:  # recomputed in backward from C
                 act, lin = (None, lin) if factorized == "gate" else (act, None)
             parts.append((out, rows, c if wd is not None else None, act, lin, p))
@@ -133,8 +193,9 @@ class _GroupedExperts(torch.autograd.Function):
         ctx.save_for_backward(*weights, *[t for part in parts for t in part[1:]])
         ctx.groups, ctx.d_model, ctx.factorized, ctx.drop = groups, d_model, factorized, drop
         ctx.rows_shape = rows_NX.shape
-        out = torch.cat([part[0] for part in parts]) if parts else rows_NX.new_empty(0, d_model)
-        return out if groups.per_group else groups.unpack(out)
+        if groups.per_group:
+            return out_ND
+        return groups.unpack(parts[0][0])
 
     @staticmethod
     def backward(ctx, d_out_ND):
@@ -145,7 +206,10 @@ class _GroupedExperts(torch.autograd.Function):
         # backend "loop": each expert's weight gradient is written straight into its slot
         wgrads = {name: torch.empty_like(w) for name, w in zip(_INPUTS[1:5], weights)
                   if w is not None and need[name]} if groups.per_group else {}
-        grads = {"rows": [], "probs": []}
+        scratch = _Scratch(max(groups.counts, default=0) if groups.per_group else None)
+        per = groups.per_group
+        d_rows = d_out_ND.new_empty(ctx.rows_shape) if per and need["rows"] else None
+        d_probs = d_out_ND.new_zeros(ctx.rows_shape[0], dtype=rest[4].dtype) if per and rest else None
         dy_all = _layout(groups, d_out_ND)
         for i, (sl, mm, (wd, wu, wp, wo)) in enumerate(_pieces(groups, weights, wgrads)):
             rows, c, act, lin, p = rest[5 * i : 5 * i + 5]
@@ -154,30 +218,27 @@ class _GroupedExperts(torch.autograd.Function):
             if ctx.drop:  # the low-rank projection C W_up, recomputed
                 low = mm.mm(c, wu)
                 act, lin = (low, lin) if fac == "gate" else (act, low)
-            piece = _expert_backward(mm, dy_all[sl], x, c, act, lin, p, wd, wu, wp, wo, fac, need)
-            grads["rows"].append(piece[0])
-            grads["probs"].append(piece[5])
-            if not groups.per_group:
+            piece = _expert_backward(mm, scratch, dy_all[sl], x, c, act, lin, p, wd, wu, wp, wo,
+                                     fac, need, d_rows=None if d_rows is None else d_rows[sl])
+            if per:
+                if piece[5] is not None:
+                    d_probs[sl] = piece[5]
+            else:
+                d_rows = groups.unpack(piece[0]) if need["rows"] else None
+                d_probs = groups.unpack(piece[5]) if need["probs"] else None
                 wgrads.update((name, g) for name, g in zip(_INPUTS[1:5], piece[1:5]) if g is not None)
-        if groups.per_group:
+        if per:
             busy = {l for l, _ in _busy(groups)}
             for w in wgrads.values():  # experts without rows
                 for l in range(w.shape[0]):
                     if l not in busy:
                         w[l].zero_()
+            if d_rows is not None and not busy:
+                d_rows.zero_()
         out = [wgrads.get(name) for name in _INPUTS]
-        for k, name in ((0, "rows"), (5, "probs")):
-            if need[name]:
-                parts = grads[name]
-                g = torch.cat(parts) if parts else _zeros_for(ctx, name, d_out_ND)
-                out[k] = g if groups.per_group else groups.unpack(g)
+        out[0] = d_rows if need["rows"] else None
+        out[5] = d_probs if need["probs"] else None
         return (*out, None, None, None, None)
-
-
-def _zeros_for(ctx, name, d_out_ND):
-    if name == "rows":
-        return d_out_ND.new_zeros(ctx.rows_shape)
-    return d_out_ND.new_zeros(ctx.rows_shape[0])
 
 
 def _busy(groups):

@@ -119,13 +119,14 @@ def train_step(layer, x, g) -> None:
 def measure_memory(layer, x, g, device: str) -> dict:
     """Saved-for-backward bytes (parameters excluded) and peak memory of one step.
 
-    NOTE: the gradients are allocated before the step starts (as megatron's persistent gradient
-    buffers are), so the peak is what the step adds above parameters and gradients: activations
-    and transients. Gradients freed inside the measured step would lower it by their size.
+    NOTE: gradients start as None, as under DeepSpeed ZeRO-1/2 (this project's engine), which
+    frees each ``.grad`` once reduced: the peak is what the step adds above the parameters,
+    the gradients it produces included (about the same for both architectures at parameter
+    parity).
     """
     counter = SavedTensorBytes(exclude=list(layer.parameters()))
     for t in (*layer.parameters(), x):
-        t.grad = torch.zeros_like(t)
+        t.grad = None
 
     def run():
         with counter:

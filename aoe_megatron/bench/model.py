@@ -42,9 +42,10 @@ def _step_fn(model, opt, inputs, labels, position_ids):
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
     def step():
-        # NOTE: gradients persist across steps (as megatron's gradient buffers do), so the peak
-        # memory of a step is what it adds above parameters, gradients and optimizer state.
-        opt.zero_grad(set_to_none=False)
+        # NOTE: gradients are freed between steps (torch's default, and DeepSpeed ZeRO frees each
+        # .grad once reduced): a step's peak is what it adds above parameters and optimizer
+        # state, the gradients it produces included.
+        opt.zero_grad(set_to_none=True)
         loss = model(inputs, position_ids, None, labels=labels).float().mean()
         loss.backward()
         opt.step()

@@ -58,8 +58,9 @@ def _mib(n: float | None) -> str:
 def layer_tables(layer: dict) -> list[str]:
     out = ["## Layer level: one MoE block, forward + backward", "",
            "Time in ms: median (min-max) over the timed reps, arms alternating. Saved: bytes autograd "
-           "keeps for backward (parameters excluded). Peak: memory the step adds above parameters "
-           "and gradients (allocated beforehand). GFLOP: model (hardware, with recompute) for fwd + bwd.", "",
+           "keeps for backward (parameters excluded). Peak: memory the step adds above the "
+           "parameters, the gradients it produces included (they start as None, as DeepSpeed ZeRO "
+           "frees them once reduced). GFLOP: model (hardware, with recompute) for fwd + bwd.", "",
            "| shape | arm | wall ms | CPU ms | saved MiB | peak MiB | GFLOP model (hw) |",
            "|---|---|---|---|---|---|---|"]
     for name, res in layer.items():
@@ -105,7 +106,7 @@ def model_tables(model: dict) -> list[str]:
     out = ["## Model level: GPTModel training step (fwd + bwd + AdamW)", "",
            f'Matmul peak measured in this run: {model["peak_flops"] / 1e9:.1f} GFLOP/s. '
            "MFU = (6 N T + 12 L D S T) / step time / peak (N: parameters a token multiplies by). "
-           "Peak memory: what a step adds above parameters, gradients and AdamW state.", "",
+           "Peak memory: what a step adds above parameters and AdamW state, its gradients included.", "",
            "| model | arch | layers x seq x batch | wall ms | tokens/s | peak MiB | MFU |",
            "|---|---|---|---|---|---|---|"]
     for name, res in model["models"].items():
