@@ -10,10 +10,14 @@ x W_down there (one more GEMM of the router's size). The rows sent to experts ke
 It keeps the dispatched rows [x | C], act, lin and p: SiLU and the products are recomputed in
 backward (elementwise), as megatron-core's fused SwiGLU does; with ``recompute_low_rank`` the
 low-rank projection C W_up is recomputed too. Autograd's plain graph keeps SiLU(act), the
-product, the scaled product and the unweighted output besides.
+product, the scaled product and the unweighted output besides. Backend "loop" runs the whole
+expert (GEMMs and elementwise math) one expert at a time in reused scratch memory and writes
+each expert's weight gradient into its slot of the stacked gradient.
 
 Shape suffixes: T tokens, N dispatched rows (grouped by expert), D d_model, E experts,
-R d_low, W d_wide, L local experts. A trailing ``_P`` marks a tensor in the groups' layout.
+R d_low, W d_wide, L local experts. The expert math (``_expert_forward``/``_expert_backward``)
+names tensors without suffixes: they are one expert's 2-D rows, or every expert's rows in the
+groups' layout ([N, .] or padded [L, M, .]).
 """
 
 from __future__ import annotations
