@@ -21,6 +21,8 @@ class AoESettings:
     """Low-rank cache width per expert."""
     d_wide: Any = "auto"
     """Wide width of W_up/W_p/W_o, or "auto" for parameter parity with the MoE expert (Eq. 5)."""
+    d_wide_multiple: int = 1
+    """Round d_wide "auto" up to a multiple of this (64: aligned GEMMs; 1: Eq. 5 exactly)."""
     norm: str = "l2"
     """Expert-ranking norm: l2, l1 or linf."""
     weight_mode: str = "topk_softmax"

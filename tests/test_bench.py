@@ -153,7 +153,8 @@ def test_quick_run_end_to_end(tmp_path):
     assert {"cpu", "cores", "torch", "megatron_core"} <= set(meta["machine"]) and meta["wall_s"] > 0
 
     assert set(res["layer"]) == {"tiny8", "tiny64"}
-    arms = {"moe", "aoe", "aoe-full-cache", "aoe-padded", "aoe-naive"}
+    # d_wide64 where Eq. 5's d_wide is no multiple of 64 (tiny8: 164, tiny64: 42)
+    arms = {"moe", "aoe", "aoe-full-cache", "aoe-padded", "aoe-d_wide64", "aoe-naive"}
     for name, shape in res["layer"].items():
         # grouped_mm where torch._grouped_mm applies: tiny8's widths (64, 16, 164) are 16-byte
         # multiples in fp32, tiny64's d_wide 42 is not
@@ -170,8 +171,13 @@ def test_quick_run_end_to_end(tmp_path):
         assert set(rows) == {("moe", "moe"), ("moe", "aoe"), ("low_rank", "aoe")}
         # megatron's layer recompute keeps only the layer input (fp32)
         assert rows[("moe", "moe")] == s["tokens"] * s["d_model"] * 4, name
-        assert set(shape["ratios"]["targets"]) == {"time", "time_full_cache", "saved_bytes_none",
-                                                   "saved_bytes_recompute_moe"}
+        assert set(shape["ratios"]["targets"]) == {"time", "time_full_cache", "time_d_wide64",
+                                                   "saved_bytes_none", "saved_bytes_recompute_moe"}
+        # the d_wide64 arm's FLOPs use its own, wider d_wide
+        w64 = -(-s["d_wide"] // 64) * 64
+        assert shape["flops"]["model"]["aoe-d_wide64"] == fl.training_flops(fl.aoe_block_forward_flops(
+            tokens=s["tokens"], d_model=s["d_model"], num_experts=s["num_experts"],
+            top_k=s["top_k"], d_low=s["d_low"], d_wide=w64))
 
     tiny = res["model"]["models"]["tiny"]
     assert res["model"]["peak_flops"] > 0

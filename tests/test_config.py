@@ -32,6 +32,9 @@ BASE = dict(num_experts=8, top_k=2, d_model=64, d_low=16, d_ffn=128)
         ({"d_model": 0}, "positive integer"),
         ({"d_wide": 0}, "positive integer or 'auto'"),
         ({"d_wide": "wide"}, "positive integer or 'auto'"),
+        ({"d_wide_multiple": 0}, "d_wide_multiple must be a positive integer"),
+        ({"expert_backend": "cuda"}, "unknown AoE expert_backend"),
+        ({"lean_cache": "yes"}, "lean_cache must be true or false"),
         ({"d_ffn": None}, "needs a positive d_ffn"),
         ({"weight_mode": "sinkhorn"}, "unknown AoE selection strategy"),
         ({"weight_mode": "top_p", "selection_options": {"p": 1.5}}, "0 < p <= 1"),
@@ -52,6 +55,11 @@ def test_d_wide_auto_follows_eq5():
     assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256).resolved_d_wide == 3840
     assert AoEConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400).resolved_d_wide == 6470
     assert AoEConfig(**BASE, d_wide=100).resolved_d_wide == 100
+    # rounded up for aligned GEMMs: 6469.2 -> 6528 (a multiple of 64); 3840 already is one
+    assert AoEConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400,
+                     d_wide_multiple=64).resolved_d_wide == 6528
+    assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256,
+                     d_wide_multiple=64).resolved_d_wide == 3840
 
 
 def test_adapter_maps_every_field():

@@ -86,8 +86,7 @@ def main(argv=None) -> int:
         ap.error("--te on needs CUDA and TransformerEngine installed")
     use_te = have_te if args.te == "auto" else args.te == "on"
 
-    from aoe_megatron.bench import ep, layer, model, report
-    from aoe_megatron.bench.measure import enable_cpu_peak_tracking
+    from aoe_megatron.bench import ep, fresh, layer, model, report
 
     table = layer.QUICK_SHAPES if args.quick else layer.SHAPES
     if args.shapes and set(args.shapes) - set(table):
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
 
     from aoe_megatron.distributed import init_megatron, shutdown
 
-    command = "tools/bench.py " + " ".join(shlex.quote(a) for a in argv)
+    command = " ".join(["tools/bench.py", *(shlex.quote(a) for a in argv)])
     log(f"{command}: device {device}, dtype {dtype_name}, TE {'on' if use_te else 'off'}, "
         f"{args.reps} reps ({args.model_reps} at the model level), levels {','.join(args.only)}")
     results: dict = {}
@@ -113,12 +112,18 @@ def main(argv=None) -> int:
         if "ep" in args.only:  # spawned processes: a fresh allocator each
             results["ep"] = ep.run(quick=args.quick, device=device, dtype=dtype, use_te=use_te,
                                    reps=args.reps, log=log)
-        if device == "cpu" and not enable_cpu_peak_tracking():
-            ap.error("peak memory on CPU needs Linux with glibc and a writable /proc/self/clear_refs")
+        if device == "cpu":  # a fresh process: see aoe_megatron/bench/fresh.py
+            log("memory phase: a fresh process with the CPU peak probe")
+            mem = fresh.memory_phase(quick=args.quick, dtype=dtype, shapes=args.shapes,
+                                     layer=timed_layer is not None, model=timed_model is not None,
+                                     threads=torch.get_num_threads())
+        else:
+            mem = {"layer": layer.run(**kw, **layer_kw, phase="memory") if timed_layer else None,
+                   "model": model.run(**kw, reps=1, phase="memory") if timed_model else None}
         if timed_layer is not None:
-            results["layer"] = layer.merge(timed_layer, layer.run(**kw, **layer_kw, phase="memory"))
+            results["layer"] = layer.merge(timed_layer, mem["layer"])
         if timed_model is not None:
-            results["model"] = model.merge(timed_model, model.run(**kw, reps=1, phase="memory"))
+            results["model"] = model.merge(timed_model, mem["model"])
     finally:
         shutdown()
     results["meta"] = {

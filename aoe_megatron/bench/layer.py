@@ -61,7 +61,8 @@ NAIVE_FIELDS = {"lean_cache": False, "expert_backend": "autograd"}
 #: arm -> AoE settings (None: megatron-core's MoE)
 ARM_FIELDS = {"moe": None, "aoe": {}, "aoe-full-cache": {"lean_cache": False},
               "aoe-padded": {"expert_backend": "padded"},
-              "aoe-grouped_mm": {"expert_backend": "grouped_mm"}, "aoe-naive": NAIVE_FIELDS}
+              "aoe-grouped_mm": {"expert_backend": "grouped_mm"},
+              "aoe-d_wide64": {"d_wide_multiple": 64}, "aoe-naive": NAIVE_FIELDS}
 SAVED_BYTES_LIMIT = 1.03  # issue #11: AoE/MoE saved bytes under the same recompute policy
 TIME_SLACK = 0.02  # issue #11: AoE/MoE time <= FLOP ratio + 0.02
 
@@ -139,17 +140,25 @@ def measure_memory(layer, x, g, device: str) -> dict:
     return {"saved_bytes": counter.nbytes, "peak_bytes": peak}
 
 
+def arm_d_wide(shape: LayerShape, arm: str) -> int:
+    """The arm's d_wide: Eq. 5, rounded up to the arm's d_wide_multiple."""
+    multiple = (ARM_FIELDS[arm] or {}).get("d_wide_multiple", 1)
+    return -(-shape.d_wide // multiple) * multiple
+
+
 def arms_for(shape: LayerShape, *, device: str, dtype: torch.dtype) -> list[str]:
-    """The arms measured at a shape: grouped_mm only where torch._grouped_mm can run it."""
+    """The arms measured at a shape: grouped_mm only where torch._grouped_mm can run it,
+    d_wide64 only where Eq. 5's d_wide is not a multiple of 64 already."""
     from aoe_megatron.grouped import grouped_mm_supports
 
     widths = (shape.d_model, shape.d_low, shape.d_wide)
-    ok = grouped_mm_supports(dtype, widths, torch.device(device))
-    return [a for a in ARM_FIELDS if a != "aoe-grouped_mm" or ok]
+    keep = {"aoe-grouped_mm": grouped_mm_supports(dtype, widths, torch.device(device)),
+            "aoe-d_wide64": arm_d_wide(shape, "aoe-d_wide64") != shape.d_wide}
+    return [a for a in ARM_FIELDS if keep.get(a, True)]
 
 
 def shape_flops(shape: LayerShape, arms: list[str]) -> dict:
-    """Model and hardware FLOPs of one block's training step, both architectures."""
+    """Model and hardware FLOPs of one block's training step for each arm."""
     dims = dict(tokens=shape.tokens, d_model=shape.d_model, num_experts=shape.num_experts,
                 top_k=shape.top_k)
     aoe_fwd = fl.aoe_block_forward_flops(**dims, d_low=shape.d_low, d_wide=shape.d_wide)
@@ -157,11 +166,15 @@ def shape_flops(shape: LayerShape, arms: list[str]) -> dict:
     extra = {opt: fl.recompute_extra_flops(opt, **dims, d_low=shape.d_low, d_wide=shape.d_wide,
                                            d_ffn=shape.d_ffn, arch="aoe")
              for opt in ("moe_layer", "lean_cache", "low_rank")}
-    moe_train, aoe_train = fl.training_flops(moe_fwd), fl.training_flops(aoe_fwd)
-    model = {arm: moe_train if arm == "moe" else aoe_train for arm in arms}
-    hardware = {arm: model[arm] + (extra["lean_cache"] if ARM_FIELDS[arm] is not None
-                                   and ARM_FIELDS[arm].get("lean_cache", True) else 0)
-                for arm in arms}
+    model, hardware = {}, {}
+    for arm in arms:
+        fields = ARM_FIELDS[arm]
+        if fields is None:
+            model[arm] = hardware[arm] = fl.training_flops(moe_fwd)
+            continue
+        model[arm] = fl.training_flops(fl.aoe_block_forward_flops(
+            **dims, d_low=shape.d_low, d_wide=arm_d_wide(shape, arm)))
+        hardware[arm] = model[arm] + (extra["lean_cache"] if fields.get("lean_cache", True) else 0)
     return {
         "moe_forward": moe_fwd, "aoe_forward": aoe_fwd, "ratio": aoe_fwd / moe_fwd,
         "model": model, "hardware": hardware,
@@ -183,7 +196,7 @@ def _build_arms(shape: LayerShape, arms: list[str], *, device, dtype, use_te):
     for arm in arms:
         if arm != "moe":
             layers[arm] = build_aoe(tc, shape, device=device, **ARM_FIELDS[arm])
-            if arm != "aoe":  # same weights, same routing
+            if arm not in ("aoe", "aoe-d_wide64"):  # same weights, same routing
                 layers[arm].load_state_dict(layers["aoe"].state_dict())
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape.tokens, 1, shape.d_model, generator=gen).to(device, dtype)
@@ -275,6 +288,7 @@ def _ratios(arms: dict, recompute: list[dict], flops: dict) -> dict:
                         "cpu": against_moe(arm, "cpu_s", "median"),
                         "saved_bytes": against_moe(arm, "saved_bytes"),
                         "peak": against_moe(arm, "peak_bytes"),
+                        "flops": flops["model"][arm] / flops["model"]["moe"],
                         "hardware_flops": flops["hardware"][arm] / flops["hardware"]["moe"]}
     by = {(r["policy"], r["arch"]): r["saved_bytes"] for r in recompute}
     rc = ratio(by[("moe", "aoe")], by[("moe", "moe")]) if by else None
@@ -285,8 +299,9 @@ def _ratios(arms: dict, recompute: list[dict], flops: dict) -> dict:
     if ("moe_act", "moe") in by:
         out["saved_bytes_low_rank_vs_moe_act"] = ratio(by[("low_rank", "aoe")], by[("moe_act", "moe")])
     out["targets"] = {
-        "time": verdict(out["aoe"]["time"], flops["ratio"] + TIME_SLACK),
-        "time_full_cache": verdict(out["aoe-full-cache"]["time"], flops["ratio"] + TIME_SLACK),
+        **{key: verdict(out[arm]["time"], out[arm]["flops"] + TIME_SLACK)
+           for key, arm in (("time", "aoe"), ("time_full_cache", "aoe-full-cache"),
+                            ("time_d_wide64", "aoe-d_wide64")) if arm in out},
         "saved_bytes_none": verdict(out["aoe"]["saved_bytes"], SAVED_BYTES_LIMIT),
         "saved_bytes_recompute_moe": verdict(rc, SAVED_BYTES_LIMIT),
     }

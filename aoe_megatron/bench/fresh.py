@@ -1,0 +1,59 @@
+"""The memory phase on CPU, in a freshly spawned process.
+
+The CPU peak probe (``measure.enable_cpu_peak_tracking``) needs every allocation of 64 KiB or more
+to be mmapped: in the benchmark's own process, after the timings, glibc would serve the memory
+phase from heap memory the timed steps left resident, and RSS would not move. A fresh process
+whose first act is to set the probe up starts with no such memory.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+
+def _worker(job: dict, queue) -> None:
+    try:
+        import torch
+
+        from aoe_megatron.bench import layer, measure, model
+        from aoe_megatron.compat import quiet_cpu_fallback_warnings
+        from aoe_megatron.distributed import free_port, init_megatron, shutdown
+
+        if not measure.enable_cpu_peak_tracking():
+            raise RuntimeError("peak memory on CPU needs Linux with glibc and a writable "
+                               "/proc/self/clear_refs")
+        quiet_cpu_fallback_warnings()
+        torch.set_num_threads(job["threads"])
+        os.environ["MASTER_PORT"] = str(free_port())  # not the parent's
+        kw = dict(quick=job["quick"], device="cpu", dtype=getattr(torch, job["dtype"]),
+                  use_te=False, log=lambda msg: print(f"[memory] {msg}", flush=True))
+        init_megatron(expert_parallel_size=1)
+        try:
+            out = {}
+            if job["layer"]:
+                out["layer"] = layer.run(**kw, shapes=job["shapes"], reps=1, phase="memory")
+            if job["model"]:
+                out["model"] = model.run(**kw, reps=1, phase="memory")
+        finally:
+            shutdown()
+        queue.put((out, None))
+    except BaseException:
+        queue.put((None, traceback.format_exc()))
+
+
+def memory_phase(*, quick: bool, dtype, shapes, layer: bool, model: bool, threads: int) -> dict:
+    """{"layer": ..., "model": ...} memory results, measured in a spawned process."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    job = {"quick": quick, "dtype": str(dtype).removeprefix("torch."), "shapes": shapes,
+           "layer": layer, "model": model, "threads": threads}
+    proc = ctx.Process(target=_worker, args=(job, queue))
+    proc.start()
+    result, error = queue.get()
+    proc.join()
+    if error:
+        raise RuntimeError(f"the memory phase failed:\n{error}")
+    return result
