@@ -77,7 +77,7 @@ def test_flop_ratios_extras_and_model_step():
     assert fl.model_step_flops(tokens=10, matmul_params=100, num_layers=2, d_model=4,
                                seq_length=5) == 6000 + 4800
 
-    from aoe_megatron.bench.layer import SHAPES, shape_flops
+    from aoe_megatron.bench.arms import SHAPES, shape_flops
 
     f732 = shape_flops(SHAPES["732m"], ["moe", "aoe", "aoe-full-cache"])
     assert f732["ratio"] == pytest.approx(1.083, abs=0.005)

@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 
 import torch
 
-from aoe_megatron.bench.layer import QUICK_SHAPES, SHAPES, LayerShape
+from aoe_megatron.bench.arms import QUICK_SHAPES, SHAPES, LayerShape
 from aoe_megatron.bench.measure import ratio
 
 WORLD_SIZE = 2
@@ -88,7 +88,7 @@ class AllToAllBytes:
 
 
 def _build_arms(shape: LayerShape, *, device: str, dtype: torch.dtype, use_te: bool) -> dict:
-    from aoe_megatron.bench.layer import build_aoe, build_moe, transformer_config
+    from aoe_megatron.bench.arms import build_aoe, build_moe, transformer_config
 
     tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te, ep=WORLD_SIZE)
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def _measure(rank: int, job: dict) -> dict:
     import torch.distributed as dist
     from megatron.core.transformer.moe import token_dispatcher
 
-    from aoe_megatron.bench.layer import train_step
+    from aoe_megatron.bench.arms import train_step
     from aoe_megatron.bench.measure import summarize, timed
 
     device, dtype, reps = job["device"], getattr(torch, job["dtype"]), job["reps"]

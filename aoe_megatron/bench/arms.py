@@ -1,0 +1,142 @@
+"""The layer benchmark's shapes and arms, and how each is built (megatron-core's MoE layer as its
+GPT layer spec builds it, the AoE layer with an arm's settings) and trained for one step.
+
+Shape suffixes: T tokens, D d_model, E experts, K top-k, R d_low, W d_wide, F d_ffn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from aoe_megatron.bench import flops as fl
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    d_model: int
+    num_experts: int
+    top_k: int
+    d_ffn: int
+    d_low: int
+    tokens: int = 4096
+
+    @property
+    def d_wide(self) -> int:
+        from aoe_megatron.ops import d_wide_for_parity
+
+        return d_wide_for_parity(d_model=self.d_model, d_ffn=self.d_ffn, d_low=self.d_low)
+
+
+SHAPES = {
+    "732m": LayerShape(d_model=768, num_experts=8, top_k=2, d_ffn=3072, d_low=256),
+    "4b": LayerShape(d_model=1280, num_experts=8, top_k=2, d_ffn=5120, d_low=400),
+    # d_ffn 1/8 of the dense 3072; d_low 64 is the smallest the paper trains (at 64 experts the
+    # cache E * R would otherwise dominate the FLOPs).
+    "fine64": LayerShape(d_model=768, num_experts=64, top_k=8, d_ffn=384, d_low=64),
+}
+QUICK_SHAPES = {
+    "tiny8": LayerShape(d_model=64, num_experts=8, top_k=2, d_ffn=128, d_low=16, tokens=256),
+    "tiny64": LayerShape(d_model=64, num_experts=64, top_k=8, d_ffn=32, d_low=8, tokens=256),
+}
+NAIVE_FIELDS = {"lean_cache": False, "expert_backend": "autograd"}
+#: arm -> AoE settings (None: megatron-core's MoE)
+ARM_FIELDS = {"moe": None, "aoe": {}, "aoe-full-cache": {"lean_cache": False},
+              "aoe-padded": {"expert_backend": "padded"},
+              "aoe-grouped_mm": {"expert_backend": "grouped_mm"},
+              "aoe-d_wide64": {"d_wide_multiple": 64}, "aoe-naive": NAIVE_FIELDS}
+
+
+def transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, use_te: bool,
+                       recompute_modules: list[str] | None = None, ep: int = 1):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = {}
+    if recompute_modules:
+        extra = {"recompute_granularity": "selective", "recompute_modules": list(recompute_modules)}
+    return TransformerConfig(
+        num_layers=2, hidden_size=shape.d_model, num_attention_heads=8,
+        ffn_hidden_size=shape.d_ffn, moe_ffn_hidden_size=shape.d_ffn,
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.top_k,
+        expert_model_parallel_size=ep, moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.01, use_cpu_initialization=device == "cpu", params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, add_bias_linear=False, gated_linear_unit=True,
+        activation_func=F.silu, normalization="RMSNorm", moe_grouped_gemm=use_te, **extra,
+    )
+
+
+def build_moe(tc, *, device: str, use_te: bool):
+    """megatron-core's own MoE layer, as its GPT layer spec builds it."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from aoe_megatron.spec import moe_layer_spec
+
+    spec = moe_layer_spec(tc.num_moe_experts, use_te=use_te)
+    return build_module(spec.submodules.mlp, config=tc, layer_number=1).to(device)
+
+
+def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from aoe_megatron.config import from_transformer_config
+    from aoe_megatron.spec import aoe_mlp_spec
+
+    aoe = from_transformer_config(tc, d_low=shape.d_low, **aoe_fields)
+    layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=1)
+    return layer.to(device=device, dtype=tc.params_dtype)
+
+
+def train_step(layer, x, g) -> None:
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    for p in layer.parameters():
+        p.grad = None
+    x.grad = None
+    out, _ = layer(x)
+    (out * g).sum().backward()
+    clear_aux_losses_tracker()
+
+
+def arm_d_wide(shape: LayerShape, arm: str) -> int:
+    """The arm's d_wide: Eq. 5, rounded up to the arm's d_wide_multiple."""
+    multiple = (ARM_FIELDS[arm] or {}).get("d_wide_multiple", 1)
+    return -(-shape.d_wide // multiple) * multiple
+
+
+def arms_for(shape: LayerShape, *, device: str, dtype: torch.dtype) -> list[str]:
+    """The arms measured at a shape: grouped_mm only where torch._grouped_mm can run it,
+    d_wide64 only where Eq. 5's d_wide is not a multiple of 64 already."""
+    from aoe_megatron.grouped import grouped_mm_supports
+
+    widths = (shape.d_model, shape.d_low, shape.d_wide)
+    keep = {"aoe-grouped_mm": grouped_mm_supports(dtype, widths, torch.device(device)),
+            "aoe-d_wide64": arm_d_wide(shape, "aoe-d_wide64") != shape.d_wide}
+    return [a for a in ARM_FIELDS if keep.get(a, True)]
+
+
+def shape_flops(shape: LayerShape, arms: list[str]) -> dict:
+    """Model and hardware FLOPs of one block's training step for each arm."""
+    dims = dict(tokens=shape.tokens, d_model=shape.d_model, num_experts=shape.num_experts,
+                top_k=shape.top_k)
+    aoe_fwd = fl.aoe_block_forward_flops(**dims, d_low=shape.d_low, d_wide=shape.d_wide)
+    moe_fwd = fl.moe_block_forward_flops(**dims, d_ffn=shape.d_ffn)
+    extra = {opt: fl.recompute_extra_flops(opt, **dims, d_low=shape.d_low, d_wide=shape.d_wide,
+                                           d_ffn=shape.d_ffn, arch="aoe")
+             for opt in ("moe_layer", "lean_cache", "low_rank")}
+    model, hardware = {}, {}
+    for arm in arms:
+        fields = ARM_FIELDS[arm]
+        if fields is None:
+            model[arm] = hardware[arm] = fl.training_flops(moe_fwd)
+            continue
+        model[arm] = fl.training_flops(fl.aoe_block_forward_flops(
+            **dims, d_low=shape.d_low, d_wide=arm_d_wide(shape, arm)))
+        hardware[arm] = model[arm] + (extra["lean_cache"] if fields.get("lean_cache", True) else 0)
+    return {
+        "moe_forward": moe_fwd, "aoe_forward": aoe_fwd, "ratio": aoe_fwd / moe_fwd,
+        "model": model, "hardware": hardware,
+        "recompute_extra_aoe": extra,
+        "recompute_extra_moe": {"moe_layer": moe_fwd, "moe_act": 0},
+    }
