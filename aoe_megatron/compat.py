@@ -7,6 +7,7 @@ None is required: each is used when present. NVIDIA apex is not on PyPI (the PyP
 from __future__ import annotations
 
 import importlib.util
+import logging
 import warnings
 
 import torch
@@ -37,8 +38,39 @@ def runtime_summary() -> str:
     return f"device: {device}; TransformerEngine: {te}; NVIDIA apex: {apex}"
 
 
+#: megatron-core 0.16.1 (transformer_layer.py) logs this once per layer for an MLP spec that is
+#: not MoELayer or MLP itself: the AoE layer (an MoELayer subclass) fetches its process groups
+#: itself (layer.py), so the "default kwargs" it announces are what it expects.
+UNKNOWN_MLP_TYPE = ("Unknown MLP type: <class 'megatron.core.transformer.spec_utils.ModuleSpec'>. "
+                    "Using default kwargs.")
+
+
+class _DropExactly(logging.Filter):
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+def fallback_note() -> str | None:
+    """One line saying which optional kernels are missing and what that costs (None: none is)."""
+    missing = [name for name, ok in (("TransformerEngine", have_transformer_engine()),
+                                     ("NVIDIA apex", have_nvidia_apex())) if not ok]
+    if not missing:
+        return None
+    cost = ("expected on CPU" if not torch.cuda.is_available()
+            else "fused attention, norms and grouped GEMMs are slower")
+    return f"no {', no '.join(missing)}: using PyTorch kernels ({cost})"
+
+
 def quiet_cpu_fallback_warnings() -> None:
-    """Without CUDA, megatron-core warns on import that TE and apex are missing: expected here."""
+    """Without CUDA, megatron-core warns on import that TE and apex are missing: expected here
+    (``fallback_note`` says it once). Drops exactly megatron-core's per-layer UNKNOWN_MLP_TYPE."""
     if not torch.cuda.is_available():
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
         warnings.filterwarnings("ignore", message="full scope is deprecated")
+    layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    if not any(isinstance(f, _DropExactly) for f in layer_logger.filters):
+        layer_logger.addFilter(_DropExactly(UNKNOWN_MLP_TYPE))

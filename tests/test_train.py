@@ -24,7 +24,8 @@ SETTINGS = {"preset": "tiny", "expert-parallel-size": 2, "global-batch-size": 4,
 
 def _args(**changes) -> list:
     settings = {**SETTINGS, **{k.replace("_", "-"): v for k, v in changes.items()}}
-    return [x for key, value in settings.items() for x in (f"--{key}", str(value))]
+    flags = [x for key, value in settings.items() for x in (f"--{key}", str(value))]
+    return [*flags, "--mock-data"]  # these runs test the machinery, not learning
 
 
 COMMON = _args()
@@ -174,6 +175,9 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
          "unknown model settings ['num_layer']"),
         (["--preset", "tiny", "--train-steps", "2", "--set", "aoe.d_low=64"], {},
          "must be smaller than d_model"),
+        (["--preset", "tiny", "--train-steps", "2"], {}, "no --data: give a data config"),
+        (["--preset", "tiny", "--train-steps", "2", "--data", "run/data-shakespeare.yaml",
+          "--mock-data"], {}, "--data and --mock-data exclude each other"),
     ],
 )
 def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypatch, capsys):
@@ -242,3 +246,23 @@ def test_selection_statistics_for_both_architectures(megatron_world, arch):
         assert 0 < s["ent_load"] <= math.log(cfg.num_experts) + 1e-9
         assert 0 < s["ent_conf"] <= math.log(cfg.num_experts) + 1e-6
         assert len(s["mean_norm"]) == cfg.num_experts
+
+
+def test_bare_single_process_launch_trains_on_mock_data_and_says_so(tmp_path):
+    """``python -m aoe_megatron.train`` without a launcher runs as world size 1; --mock-data is
+    announced and recorded; megatron-core's per-layer "Unknown MLP type" line and the TE/apex
+    import warnings are replaced by one line."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "aoe_megatron.train", "--preset", "tiny",
+                          "--train-steps", "2", "--mock-data", "--run-dir", str(run_dir)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-3000:]
+    assert "step       2/2  loss" in log
+    assert "WARNING: --mock-data: training on random tokens" in log
+    assert "mock" in json.loads((run_dir / "run.json").read_text())["data"]
+    assert "Unknown MLP type" not in log
+    assert "Transformer Engine" not in log and "Apex is not installed" not in log
+    assert log.count("[rank 0] no TransformerEngine, no NVIDIA apex: using PyTorch kernels") == 1

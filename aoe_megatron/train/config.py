@@ -16,7 +16,9 @@ class TrainConfig:
     preset: str
     """Model preset name or YAML (its ``model:`` section; ``train:`` gives these defaults)."""
     data: Optional[str] = None
-    """Data config YAML (run/data-*.yaml); None trains on random tokens (smoke runs only)."""
+    """Data config YAML (run/data-*.yaml); required unless ``mock_data``."""
+    mock_data: bool = False
+    """Train on random tokens instead of ``data`` (smoke and debugging runs; Megatron-LM's name)."""
     arch: Optional[str] = None
     """Override the preset's architecture: aoe or moe."""
     model_overrides: tuple = ()
@@ -120,6 +122,11 @@ class TrainConfig:
         if self.load_weights is not None and not os.path.isdir(os.path.join(self.load_weights, "model")):
             raise ValueError(f"--load-weights {self.load_weights} is not a checkpoint directory "
                              f"(it has no model/ folder)")
+        if self.data is None and not self.mock_data:
+            raise ValueError("no --data: give a data config (run/data-*.yaml), or --mock-data to "
+                             "train on random tokens (smoke and debugging runs only)")
+        if self.data is not None and self.mock_data:
+            raise ValueError("--data and --mock-data exclude each other")
         if self.data is not None:
             from aoe_megatron.data.blend import DataConfig, check_manifests
             from aoe_megatron.data.tokenizer import sha256_of
@@ -197,6 +204,18 @@ def adopt_slurm_env() -> None:
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
         os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
         os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+
+
+def adopt_single_process_env() -> None:
+    """A bare ``python -m aoe_megatron.train`` (no launcher set RANK and WORLD_SIZE): one process,
+    rank 0, a free rendezvous port on this host. Launched runs are left as they are."""
+    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
+        return
+    from aoe_megatron.distributed import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def world_size_from_env() -> int:

@@ -112,6 +112,8 @@ def _record_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> None:
                      "python": platform.python_version()},
         "host": platform.node(),
     }
+    if cfg.mock_data:
+        record["data"] = "mock: random tokens (--mock-data), not a corpus"
     if cfg.data is not None:
         from aoe_megatron.data.blend import DataConfig, check_manifests
 
@@ -139,6 +141,9 @@ def train(cfg: TrainConfig) -> dict:
     world = world_size_from_env()
     cfg.validate(world)  # before any process group starts
     rank = int(os.environ.get("RANK", "0"))
+    if cfg.mock_data and rank == 0:
+        print("WARNING: --mock-data: training on random tokens, not a corpus (smoke and debugging "
+              "runs only)", flush=True)
     stop = _StopFlag()
     init_megatron(rank=rank, world_size=world, expert_parallel_size=cfg.expert_parallel_size,
                   seed=cfg.seed)
@@ -266,7 +271,7 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.compat import quiet_cpu_fallback_warnings
+    from aoe_megatron.compat import fallback_note, quiet_cpu_fallback_warnings
 
     quiet_cpu_fallback_warnings()
     try:
@@ -276,7 +281,11 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from aoe_megatron.distributed import shutdown
+    from aoe_megatron.train.config import adopt_single_process_env
 
+    adopt_single_process_env()
+    if (note := fallback_note()) is not None:  # once per process, for the warnings it replaces
+        print(f"[rank {os.environ.get('RANK', '0')}] {note}", flush=True)
     try:
         summary = train(cfg)
         if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("AOE_SUMMARY"):
