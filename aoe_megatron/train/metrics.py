@@ -1,7 +1,14 @@
-"""What a training step reports: AoE selection statistics per layer, TensorBoard, console."""
+"""What a training step reports: AoE selection statistics per layer, TensorBoard, console, and
+``metrics.jsonl`` in the run directory (one JSON object a line, for analysis tools: tools/study.py).
+
+metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux_loss", "layers":
+{layer: {"ent_load", "ent_conf", "load": [f_i]}}}`` and ``{"kind": "valid", "step", "loss"}``.
+A resumed run appends: a step logged twice (before and after a restart) keeps its last line.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -76,16 +83,19 @@ def selection_stats(model, stock_stats=()) -> dict:
 
 
 class Reporter:
-    """TensorBoard scalars and a console progress line (rank 0 only)."""
+    """TensorBoard scalars, metrics.jsonl and a console progress line (rank 0 only)."""
 
     def __init__(self, run_dir, *, total_steps: int, tokens_per_step: int, enabled: bool):
         self.enabled = enabled
         self.total_steps, self.tokens_per_step = total_steps, tokens_per_step
-        self.writer = None
+        self.writer = self.jsonl = None
         if enabled:
+            from pathlib import Path
+
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir))
+            self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a", encoding="utf-8")
         self.t_last = time.perf_counter()
         self.steps_since = 0
 
@@ -101,6 +111,11 @@ class Reporter:
             w.add_scalar("train/grad_norm", float(grad_norm), step)
         if aux_loss is not None:
             w.add_scalar("train/aux_loss", aux_loss, step)
+        self._line({"kind": "train", "step": step, "loss": loss, "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "aux_loss": aux_loss,
+                    "layers": {str(layer): {"ent_load": s["ent_load"], "ent_conf": s["ent_conf"],
+                                            "load": s["load"]} for layer, s in stats.items()}})
         for layer, s in stats.items():
             w.add_scalar(f"ent_load/layer_{layer:02d}", s["ent_load"], step)
             w.add_scalar(f"ent_conf/layer_{layer:02d}", s["ent_conf"], step)
@@ -120,8 +135,16 @@ class Reporter:
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.enabled:
             self.writer.add_scalar(name, value, step)
+            if name == "valid/loss":
+                self._line({"kind": "valid", "step": step, "loss": value})
+
+    def _line(self, record: dict) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()
+        if self.jsonl is not None:
+            self.jsonl.close()

@@ -1,0 +1,78 @@
+"""Checkpoints and held-out tokens for the study's tools (the norm probe, the evaluation): find a
+checkpoint, load its model on one rank at EP=1, read validation windows from a data config."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+class StudyInputError(ValueError):
+    """Bad input to the study's tools (their command lines exit with 2)."""
+
+
+def resolve_checkpoint(path) -> Path:
+    """A checkpoint directory (has state.json), or a ckpt dir (its latest)."""
+    from aoe_megatron.train.checkpoint import latest_checkpoint
+
+    path = Path(path)
+    if (path / "state.json").is_file():
+        return path
+    if not path.is_dir():
+        raise StudyInputError(f"{path} does not exist")
+    try:
+        latest = latest_checkpoint(path)
+    except FileNotFoundError as exc:
+        raise StudyInputError(str(exc)) from None
+    if latest is None:
+        raise StudyInputError(f"{path} is not a checkpoint (no state.json) nor a checkpoint "
+                              f"directory (no 'latest' file)")
+    return latest
+
+
+def load_model(step_dir: Path, cfg, *, device=None, dtype: str = "fp32"):
+    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.train.checkpoint import load_model_weights
+
+    extra = {"bf16": True, "params_dtype": torch.bfloat16} if dtype == "bf16" else {}
+    model = build_gpt_model(cfg, transformer_config(cfg, perform_initialization=False, **extra))
+    load_model_weights(step_dir, model)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return model.to(device).eval()
+
+
+@contextmanager
+def megatron_world(seed: int = 0):
+    """A one-rank megatron world for this process unless one is up (then left as it is)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from aoe_megatron.distributed import init_megatron, shutdown
+
+    started = not (dist.is_initialized() and parallel_state.model_parallel_is_initialized())
+    if started:
+        init_megatron(rank=0, world_size=1, expert_parallel_size=1, seed=seed)
+    try:
+        yield
+    finally:
+        if started:
+            shutdown()
+
+
+def heldout_windows(data, *, sequences: int, seq_length: int, seed: int,
+                    tokenizer_sha256: Optional[str] = None) -> torch.Tensor:
+    """[sequences, seq_length + 1] windows of the data config's validation split."""
+    from aoe_megatron.data.blend import build_datasets
+
+    _, valid, _ = build_datasets(data, seq_length=seq_length, seed=seed, num_samples=(0, sequences, 0),
+                                 tokenizer_sha256=tokenizer_sha256)
+    if valid is None:
+        raise StudyInputError(f"{data} has no validation split (its split gives validation 0)")
+    rows = []
+    for i in range(sequences):
+        item = valid[i]  # tokens[t + 1] == labels[t]: rebuild the (seq_length + 1) window
+        rows.append(torch.cat([torch.as_tensor(item["tokens"]), torch.as_tensor(item["labels"])[-1:]]))
+    return torch.stack(rows).long()

@@ -1,0 +1,131 @@
+"""Held-out evaluation of one checkpoint, in its own process (one rank, EP=1, whatever layout the
+checkpoint was trained at):
+
+    python -m aoe_megatron.study.evaluate CKPT_DIR --data run/data-study.yaml --output eval.json \\
+        [--settings '{"evaluation": {"sequences": 256}, "probe": {"sequences": 32}}']
+
+Writes the mean next-token loss and perplexity over a fixed set of validation windows (the same
+windows for every run: ``evaluation.seed``), each MoE layer's per-expert load, Ent_load and
+Ent_conf on those tokens, and, when ``probe`` is given, the forced-expert norm probe
+(aoe_megatron.study.probe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from aoe_megatron.study import checkpoints
+
+DEFAULT_EVAL = {"sequences": 256, "batch_size": 8, "seed": 0}
+
+
+def load_model(ckpt) -> tuple:
+    """(model, state) from a checkpoint (or a ckpt dir: its latest), at EP=1 on this process, in a
+    one-rank megatron world (started here if none is up)."""
+    import torch.distributed as dist
+
+    from aoe_megatron.distributed import free_port, init_megatron
+    from aoe_megatron.model import ModelConfig
+
+    path = checkpoints.resolve_checkpoint(ckpt)
+    state = json.loads((path / "state.json").read_text())
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        init_megatron(rank=0, world_size=1, expert_parallel_size=1, seed=0)
+    model = checkpoints.load_model(path, ModelConfig.from_dict(state["config"]["model"]))
+    state["path"] = str(path)
+    return model, state
+
+
+def per_token_losses(model, windows: torch.Tensor) -> torch.Tensor:
+    """Next-token losses [B, S] of ``windows`` [B, S + 1]."""
+    device = next(model.parameters()).device
+    inputs, labels = windows[:, :-1].to(device), windows[:, 1:].to(device)
+    position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+    return model(inputs, position_ids, None, labels=labels).float()
+
+
+@torch.no_grad()
+def heldout_metrics(model, windows: torch.Tensor, *, batch_size: int, arch: str) -> dict:
+    """Mean loss and perplexity, and per-layer selection statistics averaged over batches."""
+    from aoe_megatron.train.metrics import attach_stock_router_stats, selection_stats
+
+    stock = attach_stock_router_stats(model) if arch == "moe" else []
+    total, count, layers, batches = 0.0, 0, {}, 0
+    for start in range(0, windows.shape[0], batch_size):
+        losses = per_token_losses(model, windows[start:start + batch_size])
+        total += losses.double().sum().item()  # every window has seq_length tokens
+        count += losses.numel()
+        batches += 1
+        for layer, s in selection_stats(model, stock).items():
+            acc = layers.setdefault(str(layer), {"load": torch.zeros(len(s["load"]), dtype=torch.float64),
+                                                 "ent_conf": 0.0})
+            acc["load"] += torch.tensor(s["load"], dtype=torch.float64)
+            acc["ent_conf"] += s["ent_conf"]
+    out_layers = {}
+    for layer, acc in layers.items():
+        load = acc["load"] / batches
+        out_layers[layer] = {"load": load.tolist(), "ent_conf": acc["ent_conf"] / batches,
+                             "ent_load": -(load * torch.log(load.clamp_min(1e-30))).sum().item()}
+    loss = total / count
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": count, "layers": out_layers}
+
+
+def evaluate(ckpt, data: str, settings: dict) -> dict:
+    model, state = load_model(ckpt)
+    cfg = state["config"]["model"]
+    ev = {**DEFAULT_EVAL, **(settings.get("evaluation") or {})}
+    windows = checkpoints.heldout_windows(data, seq_length=cfg["seq_length"],
+                                          sequences=ev["sequences"], seed=ev["seed"])
+    result = {"checkpoint": state["path"], "step": state["step"], "settings": settings,
+              "heldout": heldout_metrics(model, windows, batch_size=ev["batch_size"],
+                                         arch=cfg["arch"])}
+    print(f"evaluated {state['path']}: held-out loss {result['heldout']['loss']:.4f} over "
+          f"{result['heldout']['tokens']} tokens", flush=True)
+    probe = settings.get("probe")
+    if probe:
+        from aoe_megatron.study.probe import probe_checkpoint
+
+        n = int(probe.get("sequences", 32))
+        result["probe"] = probe_checkpoint(state["path"], windows[:n],
+                                           batch_size=int(probe.get("batch_size", ev["batch_size"])))
+        print("probe: done", flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    from aoe_megatron.compat import quiet_cpu_fallback_warnings
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="a checkpoint, or a checkpoint directory (its latest)")
+    ap.add_argument("--data", required=True, help="data config whose validation split is used")
+    ap.add_argument("--output", required=True, type=Path, help="JSON file to write")
+    ap.add_argument("--settings", default="{}", help="JSON: {evaluation: {...}, probe: {...}}")
+    args = ap.parse_args(argv)
+    quiet_cpu_fallback_warnings()
+    try:
+        settings = json.loads(args.settings)
+        result = evaluate(args.checkpoint, args.data, settings)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        from aoe_megatron.distributed import shutdown
+
+        shutdown()
+    tmp = args.output.with_suffix(".partial")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

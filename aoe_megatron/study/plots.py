@@ -1,0 +1,121 @@
+"""The study's figures (matplotlib, PNG, no display): validation loss with a band over seeds,
+Ent_load and Ent_conf over training (the paper's Figures 3-4), per-expert held-out load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from aoe_megatron.study.stats import band, layer_mean, smooth
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _draw_band(ax, b: dict, *, label: str, color, scale: float = 1.0) -> None:
+    x = [s * scale for s in b["steps"]]
+    ax.plot(x, b["mean"], label=label, color=color, lw=1.6)
+    ax.fill_between(x, b["min"], b["max"], color=color, alpha=0.18, lw=0)
+
+
+def loss_curves(curves: dict, labels: dict, tokens_per_step: dict, out: Path) -> Path:
+    """``curves``: {arm: {"valid": [{step: loss} per seed], "train": [...]}}."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (arm, c) in enumerate(curves.items()):
+        color = colors[i % len(colors)]
+        scale = tokens_per_step[arm] / 1e6
+        if c["valid"]:
+            _draw_band(axes[0], band(c["valid"]), label=labels[arm], color=color, scale=scale)
+        if c["train"]:
+            _draw_band(axes[1], band([smooth(s, 10) for s in c["train"]]), label=labels[arm],
+                       color=color, scale=scale)
+    for ax, title in zip(axes, ("validation loss (held-out)", "training loss (moving mean, 10 steps)")):
+        ax.set_xlabel("training tokens (millions)")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(title + ": mean over seeds, band = min..max")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
+    """``train_records``: {arm: [{step: train record} per seed]}; layer-mean Ent_load, Ent_conf."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (arm, seeds) in enumerate(train_records.items()):
+        for ax, key in zip(axes, ("ent_load", "ent_conf")):
+            series = [smooth({k: layer_mean(r, key) for k, r in s.items()}, 10) for s in seeds]
+            if series and series[0]:
+                _draw_band(ax, band(series), label=labels[arm], color=colors[i % len(colors)])
+    titles = ("Ent_load: entropy of the expert load (higher = more balanced)",
+              "Ent_conf: mean entropy of a token's expert distribution (Eq. 8)")
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats (mean over MoE layers)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def expert_load(loads: dict, labels: dict, out: Path) -> Path:
+    """``loads``: {arm: [[f_i per expert] per layer]} (held-out, mean over seeds): one heatmap an
+    arm, colour = fraction of the layer's selections that go to the expert."""
+    plt = _pyplot()
+    arms = list(loads)
+    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms) + 1, 3.2), squeeze=False)
+    vmax = max(max(max(row) for row in m) for m in loads.values())
+    image = None
+    for ax, arm in zip(axes[0], arms):
+        image = ax.imshow(loads[arm], vmin=0.0, vmax=vmax, cmap="viridis", aspect="auto")
+        ax.set_title(labels[arm], fontsize=8)
+        ax.set_xlabel("expert")
+        ax.set_ylabel("MoE layer")
+        ax.set_yticks(range(len(loads[arm])), [str(i + 1) for i in range(len(loads[arm]))])
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="load fraction")
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def probe_bars(rows: list, out: Path) -> Path:
+    """``rows``: [{"layer", "top1_mean", "top1_min", "top1_max", "chance", "spearman_mean"}]."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    layers = [r["layer"] for r in rows]
+    x = range(len(rows))
+    top = [r["top1_mean"] for r in rows]
+    err = [[t - r["top1_min"] for t, r in zip(top, rows)], [r["top1_max"] - t for t, r in zip(top, rows)]]
+    axes[0].bar(x, top, yerr=err, color="tab:blue", capsize=3, label="AoE: top-norm expert is the loss-best")
+    axes[0].plot([-0.5, len(rows) - 0.5], [rows[0]["chance"]] * 2, "k--", lw=1, label="chance (1/E)")
+    axes[0].set_ylabel("fraction of held-out tokens")
+    sp = [r["spearman_mean"] for r in rows]
+    sp_err = [[s - r["spearman_min"] for s, r in zip(sp, rows)], [r["spearman_max"] - s for s, r in zip(sp, rows)]]
+    axes[1].bar(x, sp, yerr=sp_err, color="tab:green", capsize=3)
+    axes[1].axhline(0.0, color="k", lw=1, ls="--")
+    axes[1].set_ylabel("Spearman(norm, -forced loss)")
+    for ax in axes:
+        ax.set_xticks(list(x), [str(v) for v in layers])
+        ax.set_xlabel("MoE layer")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Norm probe: does an expert's norm predict which expert helps the token? "
+                 "(mean over seeds, bars = min..max)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

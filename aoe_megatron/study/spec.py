@@ -1,0 +1,175 @@
+"""A study spec (YAML under run/studies/): one model and training recipe, the arms that differ from
+it, the seeds, the held-out evaluation and the probe; ``quick:`` shrinks it for tests.
+
+    name: default
+    data: run/data-study.yaml
+    model: {...}            # ModelConfig fields every arm shares
+    train: {...}            # TrainConfig fields every arm shares (length, batch, lr, intervals)
+    seeds: [1, 2, 3]
+    baseline: moe           # the arm every other one is compared with, seed by seed
+    evaluation: {sequences: 256, batch_size: 8, seed: 0}
+    probe: {arms: [aoe], sequences: 32, batch_size: 8}
+    table1: {arm: moe, seed: 1, text: held-out.jsonl, documents: 100, max_tokens: 128}
+    arms:
+      - name: moe
+        label: "MoE + L_aux (Table 2, Config 2)"
+        model: {arch: moe}
+      - name: aoe
+        label: ...
+        model: {arch: aoe, aoe: {d_low: 40}}
+        world_size: 2             # processes (CPU slots) for this arm; default 1
+        expert_parallel_size: 2
+    quick: {seeds: [1, 2], arms: [moe, aoe], model: {...}, train: {...}, evaluation: {...}}
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aoe_megatron.model import ModelConfig, _merge
+
+STUDY_DIR = Path(__file__).resolve().parents[2] / "run" / "studies"
+TOP_KEYS = {"name", "description", "data", "model", "train", "seeds", "baseline", "evaluation",
+            "probe", "table1", "arms", "quick"}
+ARM_KEYS = {"name", "label", "model", "train", "world_size", "expert_parallel_size"}
+QUICK_KEYS = {"seeds", "arms", "model", "train", "evaluation", "probe", "table1", "data"}
+TABLE1_KEYS = {"arm", "seed", "text", "documents", "max_tokens", "batch_size"}
+
+
+class SpecError(ValueError):
+    """A study spec that cannot run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    label: str
+    preset: dict
+    """The generated preset: {"model": {...}, "train": {...}} (the spec's shared sections merged
+    with the arm's)."""
+    world_size: int = 1
+    expert_parallel_size: int = 1
+
+    @property
+    def model(self) -> ModelConfig:
+        return ModelConfig.from_dict(self.preset["model"])
+
+    def fingerprint(self, seed: int, data: str) -> str:
+        """Everything that decides a run's result: a finished run is reused only if it matches."""
+        blob = json.dumps({"preset": self.preset, "world_size": self.world_size,
+                           "ep": self.expert_parallel_size, "seed": seed, "data": data},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Study:
+    name: str
+    data: str
+    seeds: tuple
+    baseline: str
+    arms: tuple
+    evaluation: dict = field(default_factory=dict)
+    probe: dict = field(default_factory=dict)
+    table1: dict = field(default_factory=dict)
+    """The paper's Table 1 probe on one run of a stock-MoE arm, exported to Hugging Face."""
+    description: str = ""
+    quick: bool = False
+
+    def arm(self, name: str) -> Arm:
+        return next(a for a in self.arms if a.name == name)
+
+
+def spec_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        return path
+    return STUDY_DIR / f"{name_or_path}.yaml"
+
+
+def load_study(name_or_path: str, *, quick: bool = False) -> Study:
+    import yaml
+
+    path = spec_path(name_or_path)
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in STUDY_DIR.glob("*.yaml")))
+        raise SpecError(f"no study spec {name_or_path!r} (looked for {path}; known: {known})")
+    raw = yaml.safe_load(path.read_text()) or {}
+    return study_from_dict(raw, quick=quick, source=str(path))
+
+
+def _check_keys(section: dict, allowed: set, where: str) -> None:
+    if not isinstance(section, dict):
+        raise SpecError(f"{where} must be a mapping, got {type(section).__name__}")
+    unknown = set(section) - allowed
+    if unknown:
+        raise SpecError(f"unknown keys {sorted(unknown)} in {where} (allowed: {sorted(allowed)})")
+
+
+def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -> Study:
+    _check_keys(raw, TOP_KEYS, f"study {source}")
+    raw = copy.deepcopy(raw)
+    for key in ("name", "data", "arms", "seeds"):
+        if not raw.get(key):
+            raise SpecError(f"study {source} needs {key!r}")
+    if quick:
+        q = raw.get("quick") or {}
+        _check_keys(q, QUICK_KEYS, f"{source}: quick")
+        for key in ("model", "train", "evaluation", "probe", "table1"):
+            raw[key] = _merge(raw.get(key) or {}, q.get(key) or {})
+        raw["seeds"] = q.get("seeds", raw["seeds"])
+        raw["data"] = q.get("data", raw["data"])
+        if "arms" in q:
+            names = {a.get("name") for a in raw["arms"]}
+            missing = set(q["arms"]) - names
+            if missing:
+                raise SpecError(f"{source}: quick.arms names unknown arms {sorted(missing)}")
+            raw["arms"] = [a for a in raw["arms"] if a.get("name") in q["arms"]]
+    seeds = tuple(int(s) for s in raw["seeds"])
+    if len(set(seeds)) != len(seeds):
+        raise SpecError(f"{source}: seeds repeat: {list(seeds)}")
+    arms = []
+    for entry in raw["arms"]:
+        _check_keys(entry, ARM_KEYS, f"{source}: arm {entry.get('name', '?')}")
+        name = str(entry.get("name") or "")
+        if not name or not name.replace("_", "").replace("-", "").isalnum():
+            raise SpecError(f"{source}: arm name {name!r} must be letters, digits, - and _")
+        preset = {"model": _merge(raw.get("model") or {}, entry.get("model") or {}),
+                  "train": _merge(raw.get("train") or {}, entry.get("train") or {})}
+        arm = Arm(name=name, label=str(entry.get("label", name)), preset=preset,
+                  world_size=int(entry.get("world_size", 1)),
+                  expert_parallel_size=int(entry.get("expert_parallel_size", 1)))
+        try:
+            arm.model  # invalid model settings fail here, naming the arm
+        except (ValueError, TypeError) as err:
+            raise SpecError(f"{source}: arm {name}: {err}") from None
+        if arm.world_size % arm.expert_parallel_size:
+            raise SpecError(f"{source}: arm {name}: expert_parallel_size {arm.expert_parallel_size} "
+                            f"does not divide world_size {arm.world_size}")
+        arms.append(arm)
+    if len({a.name for a in arms}) != len(arms):
+        raise SpecError(f"{source}: two arms share a name")
+    baseline = str(raw.get("baseline") or arms[0].name)
+    if baseline not in {a.name for a in arms}:
+        raise SpecError(f"{source}: baseline {baseline!r} is not an arm")
+    probe = raw.get("probe") or {}
+    unknown = set(probe.get("arms", [])) - {a.name for a in arms}
+    if unknown:
+        probe["arms"] = [a for a in probe.get("arms", []) if a not in unknown]
+    table1 = raw.get("table1") or {}
+    if table1:
+        _check_keys(table1, TABLE1_KEYS, f"{source}: table1")
+        arm = next((a for a in arms if a.name == table1.get("arm")), None)
+        if arm is None or arm.model.arch != "moe" or not arm.model.router.is_stock:
+            raise SpecError(f"{source}: table1.arm must name a stock MoE arm (megatron-core's router), "
+                            f"got {table1.get('arm')!r}")
+        if int(table1.get("seed", seeds[0])) not in seeds or not table1.get("text"):
+            raise SpecError(f"{source}: table1 needs a text (JSONL) and one of the seeds {list(seeds)}")
+    return Study(name=str(raw["name"]) + ("-quick" if quick else ""), data=str(raw["data"]),
+                 seeds=seeds, baseline=baseline, arms=tuple(arms), table1=table1,
+                 evaluation=raw.get("evaluation") or {}, probe=probe,
+                 description=str(raw.get("description", "")), quick=quick)
