@@ -297,7 +297,12 @@ def test_table1_probe_keeps_the_models_own_loss(moe_export, corpus, tmp_path, ca
                         "--max-tokens", "12", "--max-docs", "2", "--dtype", "fp32",
                         "--output", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    assert [r["node"] for r in rows] == ["router", "gate", "up", "act", "prod", "out"]
+    assert [r["node"] for r in rows] == ["router", "gate", "up", "act", "prod", "out", "random"]
+    # the random baseline: K experts drawn per token from a fixed generator (the same each run)
+    again = hf_probe.hf_probe(moe_export["hf"], corpus["src"], nodes=("random",), max_tokens=12,
+                              max_docs=2, dtype="fp32")["results"][1]
+    assert again["node"] == "random" and again["loss"] == pytest.approx(rows[-1]["loss"], rel=1e-6)
+    assert again["agreement_same_set"] < 1.0
     assert "| Performance w. Router |" in out.with_suffix(".md").read_text()
     assert "| out: experts' final outputs |" in capsys.readouterr().out
 

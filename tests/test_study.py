@@ -74,7 +74,7 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     # The Table 1 probe ran on the exported MoE baseline: the router row is the model itself.
     table1 = doc["table1"]
     assert (table1["arm"], table1["seed"]) == ("moe", 1) and table1["results"][0]["node"] == "router"
-    assert {r["node"] for r in table1["results"]} == {"router", "gate", "up", "act", "prod", "out"}
+    assert {r["node"] for r in table1["results"]} == {"router", "gate", "up", "act", "prod", "out", "random"}
     assert "Table 1 probe" in (out / "report.md").read_text()
     # The produced numbers, read back from each run's own eval.json ...
     loss = {arm: {seed: json.loads((out / "runs" / arm / f"seed{seed}" / "eval.json").read_text())
@@ -95,6 +95,7 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     assert vs["ci_low"] == pytest.approx(d_mean - half, rel=1e-9, abs=1e-12)
     assert vs["ci_high"] == pytest.approx(d_mean + half, rel=1e-9, abs=1e-12)
     assert "vs_baseline" not in doc["arms"]["moe"]
+    assert doc["contrasts"] == {"aoe": {}}  # compare_to: aoe, with no third arm in quick mode
     # The AoE arm ran on two processes with EP=2 through torch.distributed.run, and was probed.
     record = json.loads((out / "runs/aoe/seed1/study-run.json").read_text())
     assert "torch.distributed.run" in record["command"] and "--expert-parallel-size" in record["command"]

@@ -26,7 +26,7 @@ def stderr_log(message: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from aoe_megatron.study.hf_probe import NODES, WEIGHTINGS
+    from aoe_megatron.study.hf_probe import CHOICES, WEIGHTINGS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", nargs="?", help="AoE checkpoint, or a checkpoint directory (its latest)")
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf", type=Path, help="a Hugging Face Mixtral/OLMoE folder instead (Table 1)")
     ap.add_argument("--text", type=Path, help="--hf: JSONL file of {\"text\": ...} documents")
     ap.add_argument("--node", default="all",
-                    help=f"--hf: all, or comma-separated of {', '.join(NODES)} (router: the baseline only)")
+                    help=f"--hf: all, or comma-separated of {', '.join(CHOICES)} (the router always runs first)")
     ap.add_argument("--weighting", default="norm", choices=WEIGHTINGS,
                     help="--hf: weights of the chosen experts (default: softmax over their norms)")
     ap.add_argument("--max-tokens", type=int, default=512, help="--hf: tokens per document (default 512)")
@@ -97,7 +97,7 @@ def _aoe(args) -> tuple:
 def _hf(args) -> tuple:
     from aoe_megatron.study import hf_probe
 
-    nodes = tuple(hf_probe.NODES) if args.node == "all" else tuple(args.node.split(","))
+    nodes = tuple(hf_probe.CHOICES) if args.node == "all" else tuple(args.node.split(","))
     result = hf_probe.hf_probe(args.hf, args.text, nodes=nodes, weighting=args.weighting,
                                max_tokens=args.max_tokens, max_docs=args.max_docs,
                                batch_size=args.batch_size, dtype=args.dtype or "auto",

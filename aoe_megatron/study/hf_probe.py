@@ -33,6 +33,10 @@ from aoe_megatron.study.checkpoints import StudyInputError as ProbeError
 
 NODES = {"gate": "x W_g", "up": "x W_p", "act": "SiLU(x W_g)", "prod": "SiLU(x W_g) * x W_p",
          "out": "experts' final outputs"}
+RANDOM = "random"
+"""The review's missing baseline for Table 1: each token's K experts drawn uniformly at random
+(scores U(0, 1) in place of norms, a fixed generator; ``norm`` weighting is then near-uniform)."""
+CHOICES = {**NODES, RANDOM: "random experts (baseline)"}
 WEIGHTINGS = ("norm", "router")
 MODEL_TYPES = ("mixtral", "olmoe")
 ROUTER = "router"  # the unmodified model
@@ -96,10 +100,11 @@ class NormSelection:
     """Patches every block's router: experts ranked by the norm at ``node``; records how often
     the norm choice agrees with the router's on the tokens of ``valid_T`` (set per batch)."""
 
-    def __init__(self, blocks, *, node: str, weighting: str = "norm"):
-        if node not in NODES:
-            raise ProbeError(f"unknown node {node!r}; choose from {', '.join(NODES)}")
+    def __init__(self, blocks, *, node: str, weighting: str = "norm", seed: int = 0):
+        if node not in CHOICES:
+            raise ProbeError(f"unknown node {node!r}; choose from {', '.join(CHOICES)}")
         self.blocks, self.node, self.weighting = blocks, node, weighting
+        self.generator = torch.Generator().manual_seed(seed)
         self.valid_T: Optional[torch.Tensor] = None
         self.counts = {"tokens": 0, "same_set": 0, "overlap": 0.0, "same_top1": 0}
 
@@ -116,8 +121,12 @@ class NormSelection:
         def forward(hidden_states):
             logits_TE, _, router_TK = original(hidden_states)
             x_TD = hidden_states.reshape(-1, block.experts.gate_up_proj.shape[-1])
-            norms_TE = node_norms(x_TD, gate_up_EFD=block.experts.gate_up_proj, node=self.node,
-                                  down_EDF=block.experts.down_proj, act=block.experts.act_fn)
+            if self.node == RANDOM:
+                norms_TE = torch.rand(x_TD.shape[0], block.experts.gate_up_proj.shape[0],
+                                      generator=self.generator).to(x_TD.device)
+            else:
+                norms_TE = node_norms(x_TD, gate_up_EFD=block.experts.gate_up_proj, node=self.node,
+                                      down_EDF=block.experts.down_proj, act=block.experts.act_fn)
             weights_TK, index_TK = norm_selection(
                 norms_TE, top_k=router_TK.shape[-1], weighting=self.weighting, router_logits_TE=logits_TE,
                 renormalize=getattr(block.gate, "norm_topk_prob", True))
@@ -217,16 +226,16 @@ def _load(folder: Path, dtype: str, device):
     return model, AutoTokenizer.from_pretrained(folder, trust_remote_code=True), kind
 
 
-def hf_probe(folder, text, *, nodes=tuple(NODES), weighting: str = "norm", max_tokens: int = 512,
+def hf_probe(folder, text, *, nodes=tuple(CHOICES), weighting: str = "norm", max_tokens: int = 512,
              max_docs: Optional[int] = 200, batch_size: int = 4, dtype: str = "auto", device=None,
              log: Optional[Callable[[str], None]] = None) -> dict:
     """Table 1 on a Hugging Face MoE folder: the router, then each node's norm selection."""
     folder = Path(folder)
     nodes = [n for n in nodes if n != ROUTER]  # the router always runs first, as the baseline
-    unknown = [n for n in nodes if n not in NODES]
+    unknown = [n for n in nodes if n not in CHOICES]
     if unknown or weighting not in WEIGHTINGS:
         raise ProbeError(f"unknown node(s) {unknown} or weighting {weighting!r}; nodes: "
-                         f"{', '.join(NODES)}; weightings: {', '.join(WEIGHTINGS)}")
+                         f"{', '.join(CHOICES)}; weightings: {', '.join(WEIGHTINGS)}")
     if not Path(text).is_file():
         raise ProbeError(f"text file {text} does not exist")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -241,10 +250,10 @@ def hf_probe(folder, text, *, nodes=tuple(NODES), weighting: str = "norm", max_t
              "agreement_top1": 1.0}]
     for node in nodes:
         if log:
-            log(f"node {node} ({NODES[node]})")
+            log(f"node {node} ({CHOICES[node]})")
         with NormSelection(blocks, node=node, weighting=weighting) as sel:
             got = lm_metrics(model, docs, batch_size=batch_size, selection=sel, log=log)
-        rows.append({"node": node, "label": NODES[node], **got, "delta_loss": got["loss"] - base["loss"],
+        rows.append({"node": node, "label": CHOICES[node], **got, "delta_loss": got["loss"] - base["loss"],
                      "delta_accuracy": got["accuracy"] - base["accuracy"], **sel.agreement()})
     first = blocks[0]
     return {"model": str(folder), "model_type": kind, "text": str(text), "documents": len(docs),

@@ -36,10 +36,10 @@ def loss_curves(curves: dict, labels: dict, tokens_per_step: dict, out: Path) ->
         if c["train"]:
             _draw_band(axes[1], band([smooth(s, 10) for s in c["train"]]), label=labels[arm],
                        color=color, scale=scale)
-    for ax, title in zip(axes, ("validation loss (held-out)", "training loss (moving mean, 10 steps)")):
+    for ax, title in zip(axes, ("held-out validation loss", "training loss (10-step moving mean)")):
         ax.set_xlabel("training tokens (millions)")
         ax.set_ylabel("loss (nats/token)")
-        ax.set_title(title + ": mean over seeds, band = min..max")
+        ax.set_title(title + "; mean of seeds, band min..max", fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -92,27 +92,30 @@ def expert_load(loads: dict, labels: dict, out: Path) -> Path:
     return out
 
 
-def probe_bars(rows: list, out: Path) -> Path:
-    """``rows``: [{"layer", "top1_mean", "top1_min", "top1_max", "chance", "spearman_mean"}]."""
+def probe_bars(rows_by_arm: dict, out: Path) -> Path:
+    """``rows_by_arm``: {label: [{"layer", "top1_mean", "top1_min", "top1_max", "chance",
+    "spearman_mean", "spearman_min", "spearman_max"}]}: grouped bars a layer, one colour an arm."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    layers = [r["layer"] for r in rows]
-    x = range(len(rows))
-    top = [r["top1_mean"] for r in rows]
-    err = [[t - r["top1_min"] for t, r in zip(top, rows)], [r["top1_max"] - t for t, r in zip(top, rows)]]
-    axes[0].bar(x, top, yerr=err, color="tab:blue", capsize=3, label="AoE: top-norm expert is the loss-best")
-    axes[0].plot([-0.5, len(rows) - 0.5], [rows[0]["chance"]] * 2, "k--", lw=1, label="chance (1/E)")
-    axes[0].set_ylabel("fraction of held-out tokens")
-    sp = [r["spearman_mean"] for r in rows]
-    sp_err = [[s - r["spearman_min"] for s, r in zip(sp, rows)], [r["spearman_max"] - s for s, r in zip(sp, rows)]]
-    axes[1].bar(x, sp, yerr=sp_err, color="tab:green", capsize=3)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    width = 0.8 / len(rows_by_arm)
+    for a, (label, rows) in enumerate(rows_by_arm.items()):
+        x = [i + (a - (len(rows_by_arm) - 1) / 2) * width for i in range(len(rows))]
+        for ax, key in zip(axes, ("top1", "spearman")):
+            mean = [r[f"{key}_mean"] for r in rows]
+            err = [[m - r[f"{key}_min"] for m, r in zip(mean, rows)],
+                   [r[f"{key}_max"] - m for m, r in zip(mean, rows)]]
+            ax.bar(x, mean, width=width, yerr=err, capsize=3, color=colors[a % len(colors)], label=label)
+    rows = next(iter(rows_by_arm.values()))
+    axes[0].axhline(rows[0]["chance"], color="k", lw=1, ls="--", label="chance (1/E)")
     axes[1].axhline(0.0, color="k", lw=1, ls="--")
+    axes[0].set_ylabel("top-norm expert is the loss-best")
     axes[1].set_ylabel("Spearman(norm, -forced loss)")
     for ax in axes:
-        ax.set_xticks(list(x), [str(v) for v in layers])
+        ax.set_xticks(range(len(rows)), [str(r["layer"]) for r in rows])
         ax.set_xlabel("MoE layer")
         ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.suptitle("Norm probe: does an expert's norm predict which expert helps the token? "
                  "(mean over seeds, bars = min..max)", fontsize=9)
     fig.tight_layout()

@@ -101,6 +101,10 @@ def collect(study: Study, out: Path, results: dict, *, wall_seconds: float, comm
                               "layers": probe_summary(probes),
                               "intervention": next(iter(probes.values()))["intervention"]}
         doc["arms"][arm.name] = entry
+    losses = {a.name: {s: r["eval"]["heldout"]["loss"] for s, r in results[a.name].items()} for a in study.arms}
+    doc["contrasts"] = {ref: {name: stats.paired(losses[name], losses[ref])
+                              for name in losses if name not in (ref, study.baseline)}
+                        for ref in study.compare_to}
     table1 = out / "table1" / "table1.json"
     if study.table1 and table1.is_file():
         doc["table1"] = json.loads(table1.read_text())
@@ -123,9 +127,9 @@ def figures(study: Study, out: Path, doc: dict) -> list:
             plots.entropy_curves(records, labels, out / "entropy.png"),
             plots.expert_load({a: e["selection"]["load"] for a, e in doc["arms"].items()}, labels,
                               out / "expert_load.png")]
-    rows = next((e["probe"]["layers"] for e in doc["arms"].values() if "probe" in e), None)
-    if rows:
-        made.append(plots.probe_bars(rows, out / "probe.png"))
+    probed = {e["label"]: e["probe"]["layers"] for e in doc["arms"].values() if "probe" in e}
+    if probed:
+        made.append(plots.probe_bars(probed, out / "probe.png"))
     return made
 
 
@@ -162,6 +166,13 @@ def markdown(doc: dict, images: list) -> str:
     lines += ["", "Mean ± sample standard deviation over seeds. Δ: the arm's loss minus the baseline's "
               "at the same seed, mean and Student-t 95% interval over seeds; p: paired t-test. "
               "Ent_load / Ent_conf: held-out, mean over MoE layers (nats; the maximum is ln E)."]
+    for ref, rows in doc.get("contrasts", {}).items():
+        lines += ["", f"Against `{ref}` instead, seed by seed (the arm's loss minus `{ref}`'s):", "",
+                  "| arm | Δ loss [95% CI] | paired p |", "|---|---:|---:|"]
+        for name, v in rows.items():
+            ci = f" [{v['ci_low']:+.4f}, {v['ci_high']:+.4f}]" if v["n"] > 1 else ""
+            p = f"{v['p_value']:.3f}" if v["n"] > 1 else "—"
+            lines.append(f"| {doc['arms'][name]['label']} (`{name}`) | {v['mean']:+.4f}{ci} | {p} |")
     probe_arms = [(n, e) for n, e in doc["arms"].items() if "probe" in e]
     for name, e in probe_arms:
         lines += ["", f"## Norm probe (`{name}`)", "",

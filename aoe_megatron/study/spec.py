@@ -7,6 +7,7 @@ it, the seeds, the held-out evaluation and the probe; ``quick:`` shrinks it for 
     train: {...}            # TrainConfig fields every arm shares (length, batch, lr, intervals)
     seeds: [1, 2, 3]
     baseline: moe           # the arm every other one is compared with, seed by seed
+    compare_to: [aoe]       # more reference arms, each compared with every other arm likewise
     evaluation: {sequences: 256, batch_size: 8, seed: 0}
     probe: {arms: [aoe], sequences: 32, batch_size: 8}
     table1: {arm: moe, seed: 1, text: held-out.jsonl, documents: 100, max_tokens: 128}
@@ -34,7 +35,7 @@ from aoe_megatron.model import ModelConfig, _merge
 
 STUDY_DIR = Path(__file__).resolve().parents[2] / "run" / "studies"
 TOP_KEYS = {"name", "description", "data", "model", "train", "seeds", "baseline", "evaluation",
-            "probe", "table1", "arms", "quick"}
+            "probe", "table1", "arms", "quick", "compare_to"}
 ARM_KEYS = {"name", "label", "model", "train", "world_size", "expert_parallel_size"}
 QUICK_KEYS = {"seeds", "arms", "model", "train", "evaluation", "probe", "table1", "data"}
 TABLE1_KEYS = {"arm", "seed", "text", "documents", "max_tokens", "batch_size"}
@@ -75,6 +76,8 @@ class Study:
     arms: tuple
     evaluation: dict = field(default_factory=dict)
     probe: dict = field(default_factory=dict)
+    compare_to: tuple = ()
+    """Reference arms besides the baseline (the report compares every other arm with each)."""
     table1: dict = field(default_factory=dict)
     """The paper's Table 1 probe on one run of a stock-MoE arm, exported to Hugging Face."""
     description: str = ""
@@ -160,6 +163,11 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
     unknown = set(probe.get("arms", [])) - {a.name for a in arms}
     if unknown:
         probe["arms"] = [a for a in probe.get("arms", []) if a not in unknown]
+    names = {a.name for a in arms}
+    compare_to = tuple(c for c in (raw.get("compare_to") or []) if c in names and c != baseline)
+    unknown = set(raw.get("compare_to") or []) - names
+    if unknown and not quick:
+        raise SpecError(f"{source}: compare_to names unknown arms {sorted(unknown)}")
     table1 = raw.get("table1") or {}
     if table1:
         _check_keys(table1, TABLE1_KEYS, f"{source}: table1")
@@ -170,6 +178,6 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
         if int(table1.get("seed", seeds[0])) not in seeds or not table1.get("text"):
             raise SpecError(f"{source}: table1 needs a text (JSONL) and one of the seeds {list(seeds)}")
     return Study(name=str(raw["name"]) + ("-quick" if quick else ""), data=str(raw["data"]),
-                 seeds=seeds, baseline=baseline, arms=tuple(arms), table1=table1,
+                 seeds=seeds, baseline=baseline, arms=tuple(arms), table1=table1, compare_to=compare_to,
                  evaluation=raw.get("evaluation") or {}, probe=probe,
                  description=str(raw.get("description", "")), quick=quick)
