@@ -85,11 +85,10 @@ class DataConfig:
         prefixes, weights = _entries(raw.get("blend"), "blend", root)
         if "valid_blend" not in raw:
             return cls(tuple(prefixes), tuple(weights), str(raw.get("split", DEFAULT_SPLIT)))
-        if "split" in raw:
-            raise ValueError("'split' and 'valid_blend' exclude each other: with valid_blend, "
-                             "blend is used entirely for training and valid_blend for validation")
         valid_prefixes, valid_weights = _entries(raw["valid_blend"], "valid_blend", root)
-        return cls(tuple(prefixes + valid_prefixes), tuple(weights), None, tuple(valid_weights))
+        # a split given beside valid_blend is refused by __post_init__
+        return cls(tuple(prefixes + valid_prefixes), tuple(weights), raw.get("split"),
+                   tuple(valid_weights))
 
 
 def _entries(entries, key: str, root) -> tuple[list, list]:
@@ -108,6 +107,7 @@ def _entries(entries, key: str, root) -> tuple[list, list]:
         prefixes.append(prefix)
         weights.append(weight)
     return prefixes, weights
+
 
 def check_manifests(prefixes, tokenizer_sha256: Optional[str] = None) -> dict:
     """All prefixes share one tokenizer and BOS/EOD policy (and match ``tokenizer_sha256``)."""

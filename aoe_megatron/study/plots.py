@@ -23,6 +23,20 @@ def _draw_band(ax, b: dict, *, label: str, color, scale: float = 1.0) -> None:
     ax.fill_between(x, b["min"], b["max"], color=color, alpha=0.18, lw=0)
 
 
+def _finish(plt, fig, axes, out: Path, *, titles, fontsize: int, xlabel: str, ylabel: str) -> Path:
+    """Two panels of curves over training: titles, labels, grid, legend; saved and closed."""
+    for ax, title in zip(axes, titles):
+        ax.set_title(title, fontsize=fontsize)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def loss_curves(curves: dict, labels: dict, tokens_per_step: dict, out: Path) -> Path:
     """``curves``: {arm: {"valid": [{step: loss} per seed], "train": [...]}}."""
     plt = _pyplot()
@@ -36,16 +50,10 @@ def loss_curves(curves: dict, labels: dict, tokens_per_step: dict, out: Path) ->
         if c["train"]:
             _draw_band(axes[1], band([smooth(s, 10) for s in c["train"]]), label=labels[arm],
                        color=color, scale=scale)
-    for ax, title in zip(axes, ("held-out validation loss", "training loss (10-step moving mean)")):
-        ax.set_xlabel("training tokens (millions)")
-        ax.set_ylabel("loss (nats/token)")
-        ax.set_title(title + "; mean of seeds, band min..max", fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    titles = [t + "; mean of seeds, band min..max" for t in
+              ("held-out validation loss", "training loss (10-step moving mean)")]
+    return _finish(plt, fig, axes, out, titles=titles, fontsize=10,
+                   xlabel="training tokens (millions)", ylabel="loss (nats/token)")
 
 
 def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
@@ -60,16 +68,8 @@ def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
                 _draw_band(ax, band(series), label=labels[arm], color=colors[i % len(colors)])
     titles = ("Ent_load: entropy of the expert load (higher = more balanced)",
               "Ent_conf: mean entropy of a token's expert distribution (Eq. 8)")
-    for ax, title in zip(axes, titles):
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("nats (mean over MoE layers)")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(plt, fig, axes, out, titles=titles, fontsize=9, xlabel="step",
+                   ylabel="nats (mean over MoE layers)")
 
 
 def expert_load(loads: dict, labels: dict, out: Path) -> Path:

@@ -85,6 +85,13 @@ def _run_logged(cmd: list, log: Path, *, env: dict, what: str, echo) -> float:
     return time.perf_counter() - t0
 
 
+def _child_env(**extra) -> dict:
+    """This environment without a launcher's rank variables (each child sets up its own world)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, **extra}
+
+
 def _read(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -116,9 +123,7 @@ def train_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print, port:
     record = {"fingerprint": fingerprint, "arm": arm.name, "seed": seed, "command": cmd,
               "finished": False, "train_seconds": (record or {}).get("train_seconds", 0.0)}
     paths.record.write_text(json.dumps(record, indent=2) + "\n")
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // arm.world_size))}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    env = _child_env(OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // arm.world_size)))
     seconds = _run_logged(cmd, paths.log, env=env, what=f"{arm.name}/seed{seed}", echo=echo)
     if not paths.finished.is_file():
         raise StudyError(f"{arm.name} seed {seed} stopped before its last step (a signal?); run the "
@@ -140,9 +145,7 @@ def evaluate_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print) ->
         return done
     cmd = [sys.executable, "-m", "aoe_megatron.study.evaluate", str(paths.ckpt), "--data",
            study.data, "--output", str(paths.eval), "--settings", json.dumps(settings)]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    seconds = _run_logged(cmd, paths.log, env=env, what=f"{arm.name}/seed{seed} eval", echo=echo)
+    seconds = _run_logged(cmd, paths.log, env=_child_env(), what=f"{arm.name}/seed{seed} eval", echo=echo)
     result = json.loads(paths.eval.read_text())
     result["eval_seconds"] = seconds
     paths.eval.write_text(json.dumps(result, indent=2) + "\n")
@@ -169,12 +172,12 @@ def table1_probe(study: Study, out: Path, *, echo=print) -> dict | None:
     echo(f"  Table 1 probe: exporting {arm.name} seed {seed} and ranking its experts by node norms")
     seconds = _run_logged([sys.executable, str(tools / "convert_to_hf.py"), "--checkpoint", str(paths.ckpt),
                            "--output", str(hf), "--data", study.data, "--overwrite"],
-                          log, env=dict(os.environ), what="table1 export", echo=echo)
+                          log, env=_child_env(), what="table1 export", echo=echo)
     seconds += _run_logged([sys.executable, str(tools / "norm_probe.py"), "--hf", str(hf), "--text",
                             str(t["text"]), "--node", "all", "--max-docs", str(t.get("documents", 100)),
                             "--max-tokens", str(t.get("max_tokens", 128)),
                             "--batch-size", str(t.get("batch_size", 8)), "--output", str(result)],
-                           log, env=dict(os.environ), what="table1 probe", echo=echo)
+                           log, env=_child_env(), what="table1 probe", echo=echo)
     done = json.loads(result.read_text())
     done.update(study_settings=t, arm=arm.name, seed=seed, seconds=seconds)
     result.write_text(json.dumps(done, indent=2) + "\n")
