@@ -61,7 +61,7 @@ def _restore_optimizer(engine, state: dict) -> None:
 
 
 def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_samples: int,
-                    layout: dict, config: dict) -> Path:
+                    layout: dict, config: dict, extra: Optional[dict] = None) -> Path:
     """Write a checkpoint collectively (every rank calls this); returns its directory."""
     from megatron.core import dist_checkpointing
 
@@ -87,7 +87,7 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
     dist.barrier()
     if rank == 0:
         state = {"step": step, "consumed_samples": consumed_samples, "layout": layout,
-                 "config": config}
+                 "config": config, **(extra or {})}
         (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
         if final.exists():
             shutil.rmtree(final)

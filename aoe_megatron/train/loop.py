@@ -45,57 +45,6 @@ class _StopFlag:
         return bool(flag.item())
 
 
-def _random_batch(index: int, micro: int, seq_length: int, vocab: int):
-    gen = torch.Generator().manual_seed(1_000_003 * index + 17)
-    return torch.randint(0, vocab, (micro, seq_length + 1), generator=gen)
-
-
-class _Batches:
-    """Micro-batches by global sample index, so a resumed run sees exactly the same data."""
-
-    def __init__(self, cfg: TrainConfig, model_cfg, dp_rank: int, dp_size: int):
-        self.cfg, self.model_cfg = cfg, model_cfg
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.train = self.valid = None
-        if cfg.data is not None:
-            from aoe_megatron.data.blend import build_datasets
-
-            steps = cfg.steps()
-            evals = (steps // cfg.eval_interval + 1) if cfg.eval_interval else 1
-            per_eval = cfg.eval_iters * cfg.micro_batch_size * dp_size
-            self.train, self.valid, _ = build_datasets(
-                cfg.data, seq_length=model_cfg.seq_length, seed=cfg.seed,
-                num_samples=(steps * cfg.global_batch_size, per_eval * evals, 0),
-            )
-
-    def _take(self, dataset, start: int, count: int, salt: int) -> torch.Tensor:
-        if dataset is None:
-            return _random_batch(salt + start, count, self.model_cfg.seq_length,
-                                 self.model_cfg.vocab_size)
-        rows = [torch.as_tensor(dataset[start + i]["tokens"]).long() for i in range(count)]
-        labels = [torch.as_tensor(dataset[start + i]["labels"]).long() for i in range(count)]
-        # tokens[t + 1] == labels[t]: rebuild the (seq_length + 1) window.
-        return torch.stack([torch.cat([r, l[-1:]]) for r, l in zip(rows, labels)])
-
-    def train_batch(self, step: int, micro_index: int, grad_accum: int) -> torch.Tensor:
-        m = self.cfg.micro_batch_size
-        start = step * self.cfg.global_batch_size + (self.dp_rank * grad_accum + micro_index) * m
-        return self._take(self.train, start, m, salt=0)
-
-    def valid_batch(self, i: int) -> torch.Tensor:
-        m = self.cfg.micro_batch_size
-        start = (i * self.dp_size + self.dp_rank) * m
-        return self._take(self.valid, start, m, salt=10**12)
-
-
-def _lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    device = next(model.parameters()).device
-    inputs, labels = inputs.to(device), labels.to(device)
-    position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-    return model(inputs, position_ids, None, labels=labels).float().mean()
-
-
 def _record_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> None:
     import deepspeed
     import megatron.core
@@ -134,6 +83,7 @@ def train(cfg: TrainConfig) -> dict:
     from aoe_megatron.distributed import init_megatron
     from aoe_megatron.model import build_gpt_model, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
+    from aoe_megatron.train.batches import Batches, lm_loss
     from aoe_megatron.train.engine import build_engine
     from aoe_megatron.train.metrics import Reporter, attach_stock_router_stats, selection_stats
     from aoe_megatron.train.schedule import lr_lambda
@@ -186,7 +136,7 @@ def train(cfg: TrainConfig) -> dict:
     if rank == 0:
         _record_run(cfg, run_dir, world)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    batches = _Batches(cfg, model_cfg, dp_rank, dp_size)
+    batches = Batches(cfg, model_cfg, dp_rank, dp_size)
     reporter = Reporter(run_dir, total_steps=steps,
                         tokens_per_step=cfg.global_batch_size * model_cfg.seq_length,
                         enabled=rank == 0)
@@ -198,7 +148,7 @@ def train(cfg: TrainConfig) -> dict:
         total = torch.zeros(())
         with torch.no_grad():
             for i in range(cfg.eval_iters):
-                total += _lm_loss(engine, batches.valid_batch(i)).cpu()
+                total += lm_loss(engine, batches.valid_batch(i)).cpu()
         model.train()
         dist.all_reduce(total)
         value = total.item() / (cfg.eval_iters * dist.get_world_size())
@@ -222,7 +172,7 @@ def train(cfg: TrainConfig) -> dict:
             lr = scheduler.get_last_lr()[0]
             step_loss = torch.zeros(())
             for micro in range(gas):
-                loss = _lm_loss(engine, batches.train_batch(step, micro, gas))
+                loss = lm_loss(engine, batches.train_batch(step, micro, gas))
                 engine.backward(loss)
                 engine.step()
                 step_loss += loss.detach().cpu() / gas
