@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import signal
 import socket
+import sys
+import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,33 +25,95 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+DEFAULT_TIMEOUT_MINUTES = 10.0
+"""Megatron-LM's ``--distributed-timeout-minutes`` default (torch's own is 30 minutes)."""
+
+
 def init_megatron(
     *, rank: int = 0, world_size: int = 1, expert_parallel_size: int = 1, seed: int = 1234,
-    backend: str | None = None,
+    backend: str | None = None, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES,
 ) -> None:
-    """Start torch.distributed (if needed) and megatron-core's parallel state; TP = PP = 1."""
+    """Start torch.distributed (if needed) and megatron-core's parallel state; TP = PP = 1.
+
+    A collective that waits longer than ``timeout_minutes`` for a peer raises instead of hanging
+    (every group megatron-core creates gets it; ``bound_collective_waits`` gives it to groups
+    created later). NOTE: on gloo a peer process that dies is noticed at once, as its sockets
+    close ("Connection reset by peer"); its forked children die with it, or they would keep the
+    sockets open (``_forked_children_die_with_their_parent``). The timeout bounds the wait for a
+    peer that is alive but stuck (stopped, looping outside the collectives, blocked on a file
+    system) or a host gone without closing its connections.
+    """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from patches import apply_patches
 
     apply_patches()
+    _forked_children_die_with_their_parent()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
             local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend or default_backend(), rank=rank, world_size=world_size)
+        dist.init_process_group(backend or default_backend(), rank=rank, world_size=world_size,
+                                timeout=timedelta(minutes=timeout_minutes))
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=expert_parallel_size,
+        distributed_timeout_minutes=timeout_minutes,
     )
+    bound_collective_waits(timeout_minutes)  # megatron-core creates one gloo group without it
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@functools.cache  # once per process: fork hooks cannot be unregistered
+def _forked_children_die_with_their_parent() -> None:
+    """Every child this process forks from a main thread gets SIGKILL when its parent dies.
+
+    NOTE: a forked child inherits the rank's gloo sockets (megatron-core's checkpoint writer forks
+    two children per save). If the rank is SIGKILLed, a child that outlives it keeps those sockets
+    open, so the other ranks never see the rank die: they block until the collective timeout, and
+    the child is orphaned for good. Forks from other threads are left alone: the parent-death
+    signal follows the forking thread, not the process.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    forked_by = [None]  # the parent's pid, set just before a fork from a main thread
+
+    def before() -> None:
+        main = threading.current_thread() is threading.main_thread()
+        forked_by[0] = os.getpid() if main else None
+
+    def after_in_child() -> None:
+        if forked_by[0] is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != forked_by[0]:  # the parent died before prctl took effect
+                os._exit(1)
+
+    os.register_at_fork(before=before, after_in_child=after_in_child)
+
+
+def bound_collective_waits(timeout_minutes: float) -> None:
+    """Give every process group that exists now this timeout. Groups created without one keep
+    torch's 30 minutes: DeepSpeed's copy of the world group (ZeRO's gradient reductions), created
+    by ``deepspeed.initialize``, and megatron-core's expert-data-parallel gloo group.
+
+    NOTE: ``_set_pg_timeout`` is private; megatron-core's ``update_pg_timeout`` calls it too, but
+    only on the groups megatron-core made."""
+    from torch.distributed import distributed_c10d as c10d
+
+    for group in list(c10d._world.pg_map):
+        if not c10d._rank_not_in_group(group):
+            c10d._set_pg_timeout(timedelta(minutes=timeout_minutes), group)
 
 
 def shutdown() -> None:

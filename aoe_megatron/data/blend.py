@@ -134,12 +134,31 @@ def check_manifests(prefixes, tokenizer_sha256: Optional[str] = None) -> dict:
 class MegatronTokenizerView:
     """What megatron-core's GPTDataset reads from a tokenizer, from a preprocessing manifest."""
 
-    def __init__(self, manifest: dict):
+    def __init__(self, manifest: dict, data_digest: Optional[str] = None):
         tok = manifest["tokenizer"]
         self.vocab_size = tok["vocab_size"]
         self.eod = self.eos = tok["eos_id"]
         self.bos = tok["bos_id"]
-        self.unique_identifiers = {"class": type(self).__name__, "sha256": tok["sha256"]}
+        # megatron-core keys its cached dataset indices ({prefix}/cache/) by these identifiers,
+        # the paths, split, seed and sizes, not by the data: the digest of the datasets' contents
+        # keeps data re-preprocessed into the same prefix from reusing stale indices.
+        self.unique_identifiers = {"class": type(self).__name__, "sha256": tok["sha256"],
+                                   "data": data_digest}
+
+
+def data_digest(prefixes) -> str:
+    """A digest of what the datasets hold, from their manifests and file sizes (cheap)."""
+    import hashlib
+    import json
+
+    parts = []
+    for prefix in prefixes:
+        m = read_manifest(prefix)
+        sizes = [os.path.getsize(f"{prefix}{ext}") for ext in (".bin", ".idx")
+                 if os.path.exists(f"{prefix}{ext}")]
+        parts.append([m.get("documents"), m.get("tokens"),
+                      [src.get("sha256") for src in m.get("sources", [])], sizes])
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
@@ -172,7 +191,7 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
         random_seed=seed,
         sequence_length=seq_length,
         **blends,
-        tokenizer=MegatronTokenizerView(manifest),
+        tokenizer=MegatronTokenizerView(manifest, data_digest(cfg.prefixes)),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,

@@ -1,67 +1,108 @@
-"""Checkpoints that survive preemption and any expert-parallel layout.
+"""Checkpoints that survive preemption, corruption and a change of parallel layout.
 
 A checkpoint is a directory ``step_00000100/``:
-  model/            megatron-core distributed checkpoint of the GPTModel (experts as slices of
-                    global tensors: loadable at any EP size)
-  optim_rank{r}.pt  rank r's ZeRO-1/2 optimizer partition (tensors, lists, numbers only:
-                    read back with ``torch.load(weights_only=True)``)
-  state.json        step, consumed samples, layout (world size, EP, ZeRO stage), config
+  model/          megatron-core distributed checkpoint of the GPTModel (experts as slices of
+                  global tensors: loadable at any EP size)
+  optimizer/      the same for each parameter's fp32 master weight and Adam moments
+                  (``optim_state.py``): resumable at any world size, EP size and ZeRO-1/2 stage
+  rng/rank{r}.pt  rank r's random generators (restored when the world size is unchanged)
+  state.json      step, consumed samples, Adam step, schedule position, layout, config, extras
+  manifest.json   every file's size and sha256 (``integrity.py``), written last
 It is written as ``step_N.partial-*`` and renamed when complete on every rank; then ``latest``
 (a one-line file) is replaced atomically. A crash at any point leaves the previous checkpoint and
-``latest`` untouched.
+``latest`` untouched. Resuming verifies the manifest and falls back to the newest older
+checkpoint that verifies; ``last_verified`` names the newest checkpoint that passed a check, and
+retention (``keep_last``) never deletes it or the one ``latest`` names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from aoe_megatron.train import integrity, optim_state
+from aoe_megatron.train.faults import TrainingHalted
+
 LATEST = "latest"
+VERIFIED = "last_verified"
+FORMAT = 2
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class ResumeError(TrainingHalted):
+    """A ckpt dir that cannot be resumed as asked; the message says why and what to do (a
+    restart would fail alike: the run halts, see ``faults.TrainingHalted``)."""
 
 
 def _name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def checkpoints(ckpt_dir) -> list:
+    """Complete (renamed) checkpoint directories, oldest first."""
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+
+
+def _pointer(ckpt_dir, name: str) -> Optional[str]:
+    path = Path(ckpt_dir) / name
+    return path.read_text().strip() if path.is_file() else None
+
+
+def _write_pointer(ckpt_dir, name: str, target: str) -> None:
+    tmp = Path(ckpt_dir) / f"{name}.partial"
+    tmp.write_text(target + "\n")
+    os.replace(tmp, Path(ckpt_dir) / name)
+
+
 def latest_checkpoint(ckpt_dir) -> Optional[Path]:
-    path = Path(ckpt_dir) / LATEST
-    if not path.is_file():
+    target = _pointer(ckpt_dir, LATEST)
+    if target is None:
         return None
-    target = Path(ckpt_dir) / path.read_text().strip()
-    if not (target / "state.json").is_file():
-        raise FileNotFoundError(f"{path} names {target}, which is not a complete checkpoint")
-    return target
+    path = Path(ckpt_dir) / target
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{Path(ckpt_dir) / LATEST} names {path}, which is not a complete "
+                                f"checkpoint")
+    return path
 
 
-def _optimizer_state(engine) -> dict:
-    opt = engine.optimizer
-    if not hasattr(opt, "single_partition_of_fp32_groups"):
-        raise NotImplementedError("checkpoints support ZeRO-1 and ZeRO-2 optimizers")
-    return {
-        "fp32_partitions": [t.detach().clone() for t in opt.single_partition_of_fp32_groups],
-        "base_optimizer": opt.optimizer.state_dict(),
-    }
+def start_writer() -> None:
+    """Start megatron-core's checkpoint-writer helper now, deaf to the stop signals.
 
+    NOTE: megatron-core's writer starts a helper process (a multiprocessing Manager holding the
+    results queue, ``filesystem_async._get_write_results_queue``) at the first save and keeps it
+    for the life of the run. Slurm's time-limit warning goes to every process of the job step and
+    torchrun signals each worker's process group, so that helper would die of the very SIGTERM
+    that asks the run to save, and the save would fail (BrokenPipe). Ignored signals are
+    inherited by a new process (handlers are not), so it is started here with them ignored.
+    Call it once, in the main thread, before training.
+    """
+    import signal
 
-def _restore_optimizer(engine, state: dict) -> None:
-    opt = engine.optimizer
-    for mine, saved in zip(opt.single_partition_of_fp32_groups, state["fp32_partitions"], strict=True):
-        if mine.shape != saved.shape:
-            raise ValueError("the optimizer partition layout differs from the checkpoint's")
-        mine.data.copy_(saved)
-    opt.optimizer.load_state_dict(state["base_optimizer"])
-    opt.update_lp_params()  # model weights from the fp32 master partitions
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_samples: int,
-                    layout: dict, config: dict, extra: Optional[dict] = None) -> Path:
+                    layout: dict, config: dict, extra: Optional[dict] = None,
+                    keep_last: int = 0) -> Path:
     """Write a checkpoint collectively (every rank calls this); returns its directory."""
     from megatron.core import dist_checkpointing
 
@@ -73,46 +114,157 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
     dist.broadcast_object_list(tmp_name, src=0)
     tmp = root / tmp_name[0]
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        (tmp / "model").mkdir(parents=True)
+        for sub in ("model", "optimizer", "rng"):
+            (tmp / sub).mkdir(parents=True)
     dist.barrier()
     try:
-        dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "model"))
-        torch.save({**_optimizer_state(engine), "scheduler": scheduler.state_dict()},
-                   tmp / f"optim_rank{rank}.pt")
+        with optim_state.gathered(engine, model):
+            dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "model"))
+            dist_checkpointing.save(optim_state.sharded_optimizer_state(model, engine),
+                                    str(tmp / "optimizer"))
+        torch.save(optim_state.rng_state(), tmp / "rng" / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            state = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
+                     "adam_step": optim_state.adam_step(engine),
+                     "scheduler_last_epoch": scheduler.last_epoch, "layout": layout,
+                     "config": config, **(extra or {})}
+            (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        dist.barrier()
+        integrity.write_manifest(tmp)
     except BaseException:
         if rank == 0:  # best effort: the half-written directory is never read, but takes space
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     dist.barrier()
     if rank == 0:
-        state = {"step": step, "consumed_samples": consumed_samples, "layout": layout,
-                 "config": config, **(extra or {})}
-        (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        pointer = root / f"{LATEST}.partial"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / LATEST)
+        _write_pointer(root, LATEST, final.name)
+        if keep_last:
+            apply_retention(root, keep_last)
     dist.barrier()
     return final
 
 
-def load_checkpoint(path, *, engine, model, scheduler, layout: dict) -> dict:
-    """Restore model, optimizer and scheduler; returns state.json. Same layout required."""
+def apply_retention(ckpt_dir, keep_last: int, log: Callable = print) -> list:
+    """Delete all but the ``keep_last`` newest checkpoints, never the one ``latest`` names nor
+    ``last_verified``; also leftovers of interrupted saves. Returns what was deleted."""
+    root = Path(ckpt_dir)
+    protect = {_pointer(root, LATEST), _pointer(root, VERIFIED)}
+    doomed = [p for p in checkpoints(root)[:-keep_last] if p.name not in protect]
+    doomed += [p for p in root.glob("step_*.partial-*") if p.is_dir()]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    if doomed:
+        log(f"--keep-last {keep_last}: deleted {', '.join(p.name for p in doomed)}")
+    return doomed
+
+
+def _candidates(ckpt_dir, log: Callable) -> list:
+    """Checkpoints to try, best first: the one ``latest`` names, then older ones, newest first."""
+    complete = checkpoints(ckpt_dir)
+    target = _pointer(ckpt_dir, LATEST)
+    if target is None:
+        if complete:
+            log(f"{ckpt_dir} has checkpoints but no '{LATEST}' file: trying the newest first")
+        return complete[::-1]
+    named = Path(ckpt_dir) / target
+    older = [p for p in complete if p.name < target][::-1]
+    return [named, *older]
+
+
+def _describe_changes(saved: dict, now: dict) -> list:
+    names = {"world_size": "world size", "expert_parallel_size": "EP", "zero_stage": "ZeRO stage"}
+    return [f"{label} {saved.get(key)} -> {now.get(key)}" for key, label in names.items()
+            if saved.get(key) != now.get(key)]
+
+
+def check_config(state: dict, config: dict, path) -> None:
+    """The model and the batch layout of the data must be those of the checkpoint."""
+    saved = state.get("config") or {}
+    now = json.loads(json.dumps(config, default=str))  # as state.json holds it (lists, not tuples)
+    diffs = [f"model.{k}: {saved['model'].get(k)!r} in the checkpoint, {v!r} now"
+             for k, v in now["model"].items()
+             if "model" in saved and saved["model"].get(k) != v]
+    for key in ("global_batch_size",):
+        old = saved.get("train", {}).get(key)
+        if old is not None and old != now["train"][key]:
+            diffs.append(f"train.{key}: {old!r} in the checkpoint, {now['train'][key]!r} now "
+                         f"(the data position is counted in steps of the global batch)")
+    if diffs:
+        raise ResumeError(f"{path} cannot be resumed with these settings:\n  " + "\n  ".join(diffs))
+
+
+def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, seed: int,
+           log: Callable = print, before_load: Optional[Callable] = None) -> Optional[dict]:
+    """Restore the newest checkpoint of ``ckpt_dir`` that verifies (None: there is none yet).
+
+    A checkpoint that fails verification is reported with the file at fault and the next older
+    one is tried; if checkpoints exist but none verifies, this raises rather than start over.
+    ``before_load(state)`` may refuse the chosen checkpoint (by raising) before anything loads.
+    """
+    rank = dist.get_rank()
+    say = log if rank == 0 else (lambda *_: None)
+    tried = []
+    for path in _candidates(ckpt_dir, say):
+        problems = integrity.verify(path) if path.is_dir() else [f"{path} does not exist"]
+        if problems and (path / "optim_rank0.pt").is_file():  # format 1: no manifest to check
+            problems = []
+        if problems:
+            say(f"checkpoint {path} failed verification: {'; '.join(problems[:5])}"
+                + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+            tried.append(path.name)
+            continue
+        if tried:
+            say(f"falling back to {path} (newest checkpoint that verifies; skipped "
+                f"{', '.join(tried)})")
+        state = json.loads((path / "state.json").read_text())
+        if rank == 0 and state.get("format", 1) >= FORMAT:
+            _write_pointer(ckpt_dir, VERIFIED, path.name)
+        check_config(state, config, path)
+        state["path"] = str(path)
+        if before_load is not None:
+            before_load(state)
+        load_checkpoint(path, engine=engine, model=model, scheduler=scheduler, layout=layout,
+                        seed=seed, state=state, log=say)
+        return state
+    if tried:
+        raise ResumeError(f"no checkpoint in {ckpt_dir} verifies (tried {', '.join(tried)}); "
+                           f"nothing was loaded. Restore the files, or move the directory away "
+                           f"to start over")
+    return None
+
+
+def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int = 0,
+                    state: Optional[dict] = None, log: Callable = print) -> dict:
+    """Restore model, optimizer, schedule and RNG from ``path`` at this run's ``layout``."""
     from megatron.core import dist_checkpointing
 
-    state = json.loads((Path(path) / "state.json").read_text())
-    if state["layout"] != layout:
-        raise ValueError(
-            f"{path} was written with layout {state['layout']}, this run is {layout}: the "
-            f"optimizer cannot be resumed across layouts (load the model weights only instead)"
-        )
-    load_model_weights(path, model)
-    saved = torch.load(Path(path) / f"optim_rank{dist.get_rank()}.pt", weights_only=True)
-    _restore_optimizer(engine, saved)
-    scheduler.load_state_dict(saved["scheduler"])
+    path = Path(path)
+    state = state or json.loads((path / "state.json").read_text())
+    if state.get("format", 1) < FORMAT:
+        raise ResumeError(f"{path} was written by an older aoe-megatron (per-rank optimizer files, "
+                          f"no manifest): start from its weights with --load-weights {path}")
+    rank = dist.get_rank()
+    with optim_state.gathered(engine, model):  # the weights follow from the fp32 masters
+        loaded = dist_checkpointing.load(optim_state.sharded_optimizer_state(model, engine, empty=True),
+                                         str(path / "optimizer"))
+        optim_state.restore_optimizer_state(model, engine, loaded, step=state["adam_step"])
+    optim_state.weights_from_masters(engine)
+    optim_state.restore_schedule(scheduler, state["scheduler_last_epoch"])
+    changes = _describe_changes(state["layout"], layout)
+    rng_file = path / "rng" / f"rank{rank}.pt"
+    if state["layout"].get("world_size") == layout["world_size"] and rng_file.is_file():
+        optim_state.set_rng_state(torch.load(rng_file, weights_only=True))
+    else:
+        optim_state.reseed(seed, state["step"], rank)
+    if changes:
+        log(f"resuming {path.name} at another layout: {', '.join(changes)}; model weights and "
+            f"Adam state resharded"
+            + ("; random generators re-seeded from (seed, step, rank)"
+               if state["layout"].get("world_size") != layout["world_size"] else ""))
     return state
 
 

@@ -43,6 +43,9 @@ class TrainConfig:
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
     seed: int = 1234
+    distributed_timeout_minutes: float = 10.0
+    """A collective waiting longer than this for a peer fails the run instead of hanging
+    (Megatron-LM's flag and default; torch's own is 30). A dead peer is noticed at once."""
     recompute: bool = False
     """Recompute each MoE layer's activations in backward (saves memory)."""
     eval_interval: int = 100
@@ -50,6 +53,10 @@ class TrainConfig:
     save_interval: int = 0
     """Steps between checkpoints; 0 saves only on a signal and at the end."""
     ckpt_dir: Optional[str] = None
+    """Checkpoints go here; restarting the command resumes from the newest one that verifies."""
+    keep_last: int = 0
+    """Keep only the N newest checkpoints (0: all); never deletes the one ``latest`` names nor
+    the newest one that passed verification (``last_verified``)."""
     load_weights: Optional[str] = None
     """Start from this checkpoint's model weights (saved at any EP size) with a fresh optimizer;
     ignored when ckpt_dir holds a checkpoint to resume from."""
@@ -58,6 +65,16 @@ class TrainConfig:
     log_interval: int = 1
     tokenizer_model: Optional[str] = None
     """If given, the data must have been tokenized with this file (its sha256 is checked)."""
+    skip_nonfinite: int = 0
+    """Skip at most this many steps whose loss or gradient norm is NaN or infinite, over the whole
+    run (resumes included; their updates are never applied). 0: the first one stops the run,
+    naming the step and the last good checkpoint."""
+    inject_nonfinite: Optional[str] = None
+    """Testing aid (fault injection): steps, numbered as logged, whose loss is made NaN on rank 0,
+    e.g. ``3,5``."""
+    allow_data_change: bool = False
+    """Resume even if the data differs from the checkpoint's record (tokenizer, token counts,
+    files, blend weights): a warning shows both, and later checkpoints record the new data."""
 
     @property
     def model(self) -> ModelConfig:
@@ -101,9 +118,6 @@ class TrainConfig:
         check_zero_and_ep(self.zero_stage, self.expert_parallel_size)
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
-        if self.zero_stage == 3 and self.ckpt_dir:
-            raise ValueError("checkpoints support ZeRO-1 and ZeRO-2 for now: drop --ckpt-dir or "
-                             "use --zero-stage 1 or 2")
         for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
                      "expert_parallel_size"):
             if getattr(self, name) <= 0:
@@ -117,8 +131,22 @@ class TrainConfig:
                 f"global batch {self.global_batch_size} is not a multiple of micro batch "
                 f"{self.micro_batch_size} x {world_size} data-parallel processes"
             )
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got "
+                             f"{self.keep_last}")
         if self.save_interval < 0 or self.eval_interval < 0:
             raise ValueError("intervals must be >= 0")
+        if self.skip_nonfinite < 0:
+            raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
+        from aoe_megatron.train.faults import parse_steps
+
+        beyond = [s for s in parse_steps(self.inject_nonfinite) if s > self.steps()]
+        if beyond:
+            raise ValueError(f"--inject-nonfinite step {beyond[0]} is beyond the run's "
+                             f"{self.steps()} steps")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes must be positive, got "
+                             f"{self.distributed_timeout_minutes}")
         if self.load_weights is not None and not os.path.isdir(os.path.join(self.load_weights, "model")):
             raise ValueError(f"--load-weights {self.load_weights} is not a checkpoint directory "
                              f"(it has no model/ folder)")

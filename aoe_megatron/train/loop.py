@@ -24,8 +24,10 @@ from aoe_megatron.train.config import (
     resolved,
     world_size_from_env,
 )
+from aoe_megatron.train.faults import TrainingHalted, clear_halt_record, write_halt_record
 
 EXIT_AFTER_SIGNAL = 0
+EXIT_HALTED = 3
 
 
 class _StopFlag:
@@ -80,11 +82,13 @@ def train(cfg: TrainConfig) -> dict:
         clear_aux_losses_tracker,
     )
 
-    from aoe_megatron.distributed import init_megatron
+    from aoe_megatron.distributed import bound_collective_waits, init_megatron
     from aoe_megatron.model import build_gpt_model, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
+    from aoe_megatron.train import datacheck
     from aoe_megatron.train.batches import Batches, lm_loss
     from aoe_megatron.train.engine import build_engine
+    from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
     from aoe_megatron.train.metrics import Reporter, attach_stock_router_stats, selection_stats
     from aoe_megatron.train.schedule import lr_lambda
 
@@ -96,7 +100,7 @@ def train(cfg: TrainConfig) -> dict:
               "runs only)", flush=True)
     stop = _StopFlag()
     init_megatron(rank=rank, world_size=world, expert_parallel_size=cfg.expert_parallel_size,
-                  seed=cfg.seed)
+                  seed=cfg.seed, timeout_minutes=cfg.distributed_timeout_minutes)
     model_cfg = cfg.model
     on_gpu = torch.cuda.is_available()
     extra = {"bf16": True, "params_dtype": torch.bfloat16} if on_gpu else {}
@@ -117,16 +121,32 @@ def train(cfg: TrainConfig) -> dict:
         lr_schedule=lr_lambda(peak=cfg.lr, final=cfg.min_lr,
                               warmup_steps=min(cfg.warmup_steps, steps - 1), total_steps=steps),
     )
+    bound_collective_waits(cfg.distributed_timeout_minutes)  # DeepSpeed's groups too
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / gas, device=next(model.parameters()).device))
     layout = {"world_size": world, "expert_parallel_size": cfg.expert_parallel_size,
               "zero_stage": cfg.zero_stage}
+    data = datacheck.agreed_fingerprint(cfg.data)  # recorded in every checkpoint
+    nonfinite = NonFinitePolicy(limit=cfg.skip_nonfinite, ckpt_dir=cfg.ckpt_dir,
+                                inject=parse_steps(cfg.inject_nonfinite))
     start = 0
-    if cfg.ckpt_dir and (latest := ckpt.latest_checkpoint(cfg.ckpt_dir)) is not None:
-        state = ckpt.load_checkpoint(latest, engine=engine, model=model, scheduler=scheduler,
-                                     layout=layout)
+    state = None
+    if cfg.ckpt_dir:
+        ckpt.start_writer()  # before any stop signal can reach it
+        state = ckpt.resume(cfg.ckpt_dir, engine=engine, model=model, scheduler=scheduler,
+                            layout=layout, config=resolved(cfg), seed=cfg.seed,
+                            log=lambda msg: print(msg, flush=True),
+                            before_load=lambda saved: datacheck.check_resume(
+                                saved.get("data"), data, checkpoint=saved["path"],
+                                allow=cfg.allow_data_change, announce=rank == 0))
+    if state is not None:
         start = state["step"]
         if rank == 0:
-            print(f"resumed from {latest} at step {start}", flush=True)
+            print(f"resumed from {state['path']} at step {start}", flush=True)
+            if (before := state["layout"]["world_size"]) != world:
+                print(f"gradient accumulation {cfg.grad_accum(before)} -> {gas} micro-batches per "
+                      f"rank (global batch {cfg.global_batch_size}, sample order unchanged)",
+                      flush=True)
+        nonfinite.restore(state)
     elif cfg.load_weights:
         ckpt.load_model_weights(cfg.load_weights, model)
         engine.optimizer.refresh_fp32_params()  # the optimizer's master weights follow the model
@@ -163,7 +183,9 @@ def train(cfg: TrainConfig) -> dict:
             path = ckpt.save_checkpoint(cfg.ckpt_dir, step=step, engine=engine, model=model,
                                         scheduler=scheduler,
                                         consumed_samples=step * cfg.global_batch_size,
-                                        layout=layout, config=resolved(cfg))
+                                        layout=layout, config=resolved(cfg),
+                                        keep_last=cfg.keep_last,
+                                        extra={"data": data, **nonfinite.state()})
             if rank == 0:
                 print(f"saved {path}", flush=True)
 
@@ -173,6 +195,7 @@ def train(cfg: TrainConfig) -> dict:
             step_loss = torch.zeros(())
             for micro in range(gas):
                 loss = lm_loss(engine, batches.train_batch(step, micro, gas))
+                loss = nonfinite.inject(step + 1, loss, rank)  # --inject-nonfinite (tests)
                 engine.backward(loss)
                 engine.step()
                 step_loss += loss.detach().cpu() / gas
@@ -189,10 +212,16 @@ def train(cfg: TrainConfig) -> dict:
             step_loss /= dist.get_world_size()
             losses[step + 1] = step_loss.item()
             log_now = (step + 1) % cfg.log_interval == 0 or step + 1 == steps
-            reporter.step(step + 1, loss=losses[step + 1], lr=lr,
-                          grad_norm=engine.get_global_grad_norm(),
-                          stats=selection_stats(model, stock_stats),
-                          aux_loss=aux, console=log_now)
+            grad_norm = engine.get_global_grad_norm()
+            verdict = nonfinite.check(step + 1, loss=losses[step + 1], grad_norm=grad_norm,
+                                      applied=engine.was_step_applied())
+            if verdict is not None:  # skipped (weights unchanged) or stopped (nothing saved)
+                reporter.nonfinite(verdict)
+                verdict.raise_if_stopped()
+            else:
+                reporter.step(step + 1, loss=losses[step + 1], lr=lr, grad_norm=grad_norm,
+                              stats=selection_stats(model, stock_stats),
+                              aux_loss=aux, console=log_now)
             done = step + 1 == steps
             if cfg.eval_interval and ((step + 1) % cfg.eval_interval == 0 or done):
                 evaluate(step + 1)
@@ -217,7 +246,8 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.ckpt_dir:
             print(f"checkpoints: {Path(cfg.ckpt_dir).resolve()} (restart the same command to resume)",
                   flush=True)
-    return {"losses": losses, "valid_losses": valid_losses, "stopped": stopped, "start": start}
+    return {"losses": losses, "valid_losses": valid_losses, "stopped": stopped, "start": start,
+            "nonfinite_skipped": nonfinite.skipped_steps}
 
 
 def main(argv=None) -> int:
@@ -236,10 +266,18 @@ def main(argv=None) -> int:
     adopt_single_process_env()
     if (note := fallback_note()) is not None:  # once per process, for the warnings it replaces
         print(f"[rank {os.environ.get('RANK', '0')}] {note}", flush=True)
+    rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
+        if rank0:
+            clear_halt_record(cfg.run_dir)
         summary = train(cfg)
-        if int(os.environ.get("RANK", "0")) == 0 and os.environ.get("AOE_SUMMARY"):
+        if rank0 and os.environ.get("AOE_SUMMARY"):
             Path(os.environ["AOE_SUMMARY"]).write_text(json.dumps(summary) + "\n")
+    except TrainingHalted as err:  # non-finite step, changed data, no resumable checkpoint
+        if rank0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            write_halt_record(cfg.run_dir, err)
+        return EXIT_HALTED
     finally:
         shutdown()
     return EXIT_AFTER_SIGNAL

@@ -3,18 +3,25 @@
 
 metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux_loss", "layers":
 {layer: {"ent_load", "ent_conf", "load": [f_i]}}}`` and ``{"kind": "valid", "step", "loss"}``.
+A step with a non-finite loss or gradient norm has ``{"kind": "nonfinite", "step", "action":
+"skipped"|"stopped", "loss", "grad_norm", "skipped", "limit"}`` instead of its train line.
 A resumed run appends: a step logged twice (before and after a restart) keeps its last line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+
+def _number(value):
+    """JSON has no NaN or infinity: those become the strings "nan", "inf", "-inf"."""
+    return value if value is None or math.isfinite(value) else str(value)
 
 
 class StockRouterStats:
@@ -131,6 +138,21 @@ class Reporter:
             print(f"step {step:>7}/{self.total_steps}  loss {loss:.4f}  lr {lr:.3e}  "
                   f"{tps:,.0f} tokens/s  ETA {eta / 60:.1f} min", file=sys.stdout, flush=True)
             self.t_last, self.steps_since = now, 0
+
+    def nonfinite(self, verdict) -> None:
+        """A step with a non-finite loss or gradient norm (``faults.Verdict``), skipped or stopping
+        the run: a console line when skipped (a stop is the run's error message), TensorBoard's
+        count of skipped steps, and a metrics.jsonl line in place of the train line (non-finite
+        numbers as strings: the file stays strict JSON)."""
+        if not self.enabled:
+            return
+        if not verdict.stopped:
+            print(verdict.message, file=sys.stdout, flush=True)
+        self.writer.add_scalar("train/nonfinite_skipped", verdict.skipped, verdict.step)
+        self._line({"kind": "nonfinite", "step": verdict.step,
+                    "action": "stopped" if verdict.stopped else "skipped",
+                    "loss": _number(verdict.loss), "grad_norm": _number(verdict.grad_norm),
+                    "skipped": verdict.skipped, "limit": verdict.limit})
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.enabled:

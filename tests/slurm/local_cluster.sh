@@ -17,6 +17,10 @@ down() {
 
 if [ "$cmd" = down ]; then down; exit 0; fi
 
+# NOTE: two settings shorten a requeue (the time-limit test) from 150 s to ~12 s: a requeued job
+# may start only after the credential lifetime (AuthInfo cred_expire + 1 s; default 120 s), and then
+# only the main scheduler picks it up (sched_interval; default 60 s). SlurmctldDebug=debug logs
+# each time-limit warning signal ("send_job_warn_signal: warning signal 15 to JobId=N").
 mkdir -p "$dir"/{state,spool,log,munge}
 conf="$dir/slurm.conf"
 port_base=${SLURM_TEST_PORT_BASE:-16817}
@@ -27,7 +31,7 @@ SlurmctldPort=$port_base
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n
@@ -41,6 +45,8 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2
+SlurmctldDebug=debug
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=2

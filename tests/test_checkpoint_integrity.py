@@ -1,0 +1,179 @@
+"""Checkpoint integrity (issue #13): manifests with sha256, verification naming the file at fault,
+fallback to the newest checkpoint that verifies, and --keep-last retention."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aoe_megatron.train import checkpoint as ckpt
+from aoe_megatron.train import integrity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fake_checkpoint(path: Path) -> Path:
+    (path / "model").mkdir(parents=True)
+    (path / "model" / "__0_0.distcp").write_bytes(bytes(range(256)) * 64)
+    (path / "model" / "metadata.json").write_text('{"a": 1}')
+    (path / "state.json").write_text("{}")
+    integrity.write_manifest(path)
+    return path
+
+
+def test_a_fresh_checkpoint_verifies(tmp_path):
+    path = _fake_checkpoint(tmp_path / "step_00000001")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert sorted(manifest["files"]) == ["model/__0_0.distcp", "model/metadata.json", "state.json"]
+    assert manifest["files"]["model/__0_0.distcp"]["size"] == 256 * 64
+    assert integrity.verify(path) == []
+
+
+@pytest.mark.parametrize("damage,phrase", [
+    ("flip", "does not match its sha256"),
+    ("truncate", "has 8192 bytes, the manifest says 16384"),
+    ("delete", "is missing"),
+])
+def test_damage_is_detected_and_named(tmp_path, damage, phrase):
+    path = _fake_checkpoint(tmp_path / "step_00000001")
+    shard = path / "model" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[5000] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "truncate":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        shard.unlink()
+    problems = integrity.verify(path)
+    assert len(problems) == 1 and str(shard) in problems[0] and phrase in problems[0], problems
+
+
+def test_a_missing_or_unreadable_manifest_is_refused(tmp_path):
+    path = _fake_checkpoint(tmp_path / "step_00000001")
+    (path / "manifest.json").write_text("{not json")
+    assert "unreadable" in integrity.verify(path)[0]
+    (path / "manifest.json").unlink()
+    assert "has no manifest.json" in integrity.verify(path)[0]
+
+
+def test_retention_keeps_the_newest_latest_and_last_verified(tmp_path):
+    for step in range(1, 7):
+        (tmp_path / f"step_{step:08d}").mkdir()
+    (tmp_path / "step_00000007.partial-host-123").mkdir()
+    (tmp_path / "latest").write_text("step_00000005\n")  # e.g. rolled back by hand
+    (tmp_path / "last_verified").write_text("step_00000002\n")
+    deleted = ckpt.apply_retention(tmp_path, 2, log=lambda _: None)
+    assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000003",
+                                               "step_00000004", "step_00000007.partial-host-123"]
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step_00000002", "step_00000005",
+                                                            "step_00000006"]
+
+
+SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size", "4",
+            "--micro-batch-size", "1", "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval",
+            "0", "--mock-data", "--train-steps", "8", "--save-interval", "2",
+            "--expert-parallel-size", "2", "--zero-stage", "1"]
+
+
+def _train(tmp: Path, name: str, ckpt_dir: Path, *extra) -> subprocess.CompletedProcess:
+    from aoe_megatron.distributed import free_port
+
+    env = {**os.environ, "AOE_SUMMARY": str(tmp / f"{name}.json"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "-m", "aoe_megatron.train", *SETTINGS,
+           "--ckpt-dir", str(ckpt_dir), "--run-dir", str(tmp / f"run_{name}"), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(tmp: Path, name: str) -> dict:
+    summary = json.loads((tmp / f"{name}.json").read_text())
+    return {int(k): v for k, v in summary["losses"].items()}, summary["start"]
+
+
+def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
+    ck = tmp_path / "ck"
+    first = _train(tmp_path, "first", ck)
+    assert first.returncode == 0, first.stdout[-5000:]
+    reference, _ = _losses(tmp_path, "first")
+    assert [p.name for p in ckpt.checkpoints(ck)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+
+    # Three kinds of damage, newest first: a missing shard, a truncated file, flipped bytes.
+    missing = ck / "step_00000008" / "optimizer" / "__1_0.distcp"
+    missing.unlink()
+    truncated = ck / "step_00000006" / "model" / "__0_0.distcp"
+    truncated.write_bytes(truncated.read_bytes()[:1000])
+    flipped = ck / "step_00000004" / "optimizer" / "__0_0.distcp"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    flipped.write_bytes(bytes(data))
+
+    second = _train(tmp_path, "second", ck, "--keep-last", "1")
+    out = second.stdout
+    assert second.returncode == 0, out[-5000:]
+    assert f"{missing} is missing" in out, out[-5000:]
+    assert f"{truncated} has 1000 bytes" in out, out[-5000:]
+    assert f"{flipped} does not match its sha256" in out, out[-5000:]
+    assert "falling back to" in out and "step_00000002" in out
+    losses, start = _losses(tmp_path, "second")
+    assert start == 2
+    for step in range(3, 9):  # same layout, same data: the uninterrupted run's losses
+        assert abs(losses[step] - reference[step]) <= 1e-6, (step, losses, reference)
+    # --keep-last 1 kept the newest (step 8, which `latest` names) and the last verified one.
+    assert (ck / "last_verified").read_text().strip() == "step_00000002"
+    assert [p.name for p in ckpt.checkpoints(ck)] == ["step_00000002", "step_00000008"]
+    assert integrity.verify(ck / "step_00000008") == []
+
+    # When no checkpoint verifies, nothing is loaded and the run does not start over.
+    for shard in (ck / "step_00000002" / "model").glob("*.distcp"):
+        shard.write_bytes(b"")
+    (ck / "step_00000008" / "state.json").write_text("{}")
+    third = _train(tmp_path, "third", ck)
+    assert third.returncode != 0
+    assert "no checkpoint in" in third.stdout + third.stderr and "verifies" in third.stdout + third.stderr
+
+
+def test_the_verify_tool_names_damage_and_sets_its_exit_code(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import checkpoints as tool
+    finally:
+        sys.path.pop(0)
+    good = _fake_checkpoint(tmp_path / "step_00000001")
+    bad = _fake_checkpoint(tmp_path / "step_00000002")
+    (tmp_path / "latest").write_text("step_00000002\n")
+    assert tool.main(["verify", str(good)]) == 0
+    (bad / "state.json").write_text("{ }")
+    assert tool.main(["verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert f"{good}: OK" in out and f"{bad}: FAILED" in out and str(bad / "state.json") in out
+    assert tool.main(["list", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out.splitlines()
+    assert listing[-1].startswith("step_00000002") and listing[-1].endswith("[latest]"), listing
+    assert tool.main(["verify", str(tmp_path / "absent")]) == 2
+
+
+def test_a_checkpoint_of_the_old_format_is_refused_with_the_way_out(tmp_path):
+    old = tmp_path / "step_00000004"
+    (old / "model").mkdir(parents=True)
+    (old / "optim_rank0.pt").write_bytes(b"")
+    (old / "state.json").write_text(json.dumps({"step": 4, "layout": {}}))
+    with pytest.raises(ckpt.ResumeError, match=f"--load-weights {old}"):
+        ckpt.load_checkpoint(old, engine=None, model=None, scheduler=None, layout={})
+
+
+def test_resume_refuses_another_model_or_global_batch_with_both_values():
+    saved = {"config": {"model": {"num_layers": 2, "arch": "aoe", "top": [1, 2]},
+                        "train": {"global_batch_size": 8}}}
+    same = {"model": {"num_layers": 2, "arch": "aoe", "top": (1, 2)}, "train": {"global_batch_size": 8}}
+    ckpt.check_config(saved, same, "ck/step_00000002")  # tuples are lists in state.json
+    other = {"model": {"num_layers": 4, "arch": "aoe", "top": (1, 2)}, "train": {"global_batch_size": 16}}
+    with pytest.raises(ckpt.ResumeError) as err:
+        ckpt.check_config(saved, other, "ck/step_00000002")
+    assert "model.num_layers: 2 in the checkpoint, 4 now" in str(err.value)
+    assert "train.global_batch_size: 8 in the checkpoint, 16 now" in str(err.value)

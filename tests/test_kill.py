@@ -1,0 +1,186 @@
+"""Fault 4a (issue #13): one rank SIGKILLed mid-step, with no chance to save. The job fails fast,
+and the same command resumes from the last complete checkpoint and reproduces the uninterrupted
+run's losses exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from tests.test_train import COMMON, _free_port, _torchrun
+
+# NOTE: torchrun SIGTERMs the survivors as soon as a worker dies and SIGKILLs them 30 s later
+# (its --shutdown-timeout), so a survivor stuck anywhere ends the job in about 30 s; one that
+# notices the dead peer itself exits in about 2 s (gloo: "Connection reset by peer").
+SURVIVOR_NOTICES_WITHIN_S = 25
+FORCED_BY_TORCHRUN = "forcefully exiting via"  # torchrun's words when SIGTERM did not end a worker
+
+
+def _workers(torchrun_pid: int) -> dict:
+    """{rank: pid} of torchrun's worker processes."""
+    children = Path(f"/proc/{torchrun_pid}/task/{torchrun_pid}/children").read_text().split()
+    ranks = {}
+    for pid in map(int, children):
+        env = dict(e.split("=", 1) for e in
+                   Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in e)
+        if "RANK" in env:
+            ranks[int(env["RANK"])] = pid
+    return ranks
+
+
+def _kill_tagged(token: str) -> None:
+    """SIGKILL what is left of the processes this test started (their environment holds token):
+    a SIGKILLed rank's own children outlive it (megatron-core's checkpoint results-queue manager,
+    spawned at the first save)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            tagged = f"AOE_TEST_KILL={token}\0" in (entry / "environ").read_text()
+        except OSError:  # gone, or not ours
+            continue
+        if tagged:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _log_until(path: Path, proc, phrase: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while phrase not in path.read_text():
+        assert proc.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, f"the run never logged {phrase!r}"
+        time.sleep(0.05)
+
+
+def test_sigkill_of_one_rank_fails_fast_and_the_restart_matches_the_uninterrupted_run(tmp_path):
+    token = uuid.uuid4().hex
+    env = {"AOE_TEST_KILL": token}
+    steps = ["--train-steps", "8", "--save-interval", "2"]
+    full = tmp_path / "full.json"
+    proc = _torchrun([*COMMON, *steps, "--ckpt-dir", str(tmp_path / "ck_full"),
+                      "--run-dir", str(tmp_path / "run_full")],
+                     port=_free_port(), env_extra={**env, "AOE_SUMMARY": str(full)})
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    reference = {int(k): v for k, v in json.loads(full.read_text())["losses"].items()}
+    assert sorted(reference) == list(range(1, 9))
+
+    ckpt_dir = tmp_path / "ck"
+    args = [*COMMON, *steps, "--ckpt-dir", str(ckpt_dir), "--run-dir", str(tmp_path / "run")]
+    first = tmp_path / "first.log"
+    try:
+        with open(first, "w") as log:
+            proc = _torchrun(args, port=_free_port(), env_extra=env, log=log)
+            # Step 5 is logged after the checkpoint of step 4: the ranks are in step 6 now.
+            _log_until(first, proc, "step       5/8", timeout=300)
+            # NOTE: rank 1, so that the survivor is rank 0, the rank that renames a finished
+            # checkpoint and points `latest` at it: it must fail, not finish a save alone.
+            victim = _workers(proc.pid)[1]
+            os.kill(victim, signal.SIGKILL)
+            killed_at = time.monotonic()
+            proc.wait(timeout=120)
+            exit_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _kill_tagged(token)
+    text = first.read_text()
+    assert proc.returncode != 0, text
+    assert f"Signal 9 (SIGKILL) received by PID {victim}" in text, text
+    assert FORCED_BY_TORCHRUN not in text, f"the survivor did not notice the dead rank:\n{text}"
+    assert exit_s < SURVIVOR_NOTICES_WITHIN_S, f"torchrun took {exit_s:.1f}s to exit:\n{text}"
+
+    # `latest` names a complete checkpoint, never a half-written one.
+    named = (ckpt_dir / "latest").read_text().strip()
+    assert ".partial" not in named and (ckpt_dir / named / "state.json").is_file(), named
+    resumed_from = int(named.split("_")[1])
+    assert resumed_from in (4, 6), named  # 6 only if the save of step 6 was complete by then
+
+    resumed = tmp_path / "resumed.json"
+    proc = _torchrun(args, port=_free_port(), env_extra={**env, "AOE_SUMMARY": str(resumed)})
+    try:
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        _kill_tagged(token)
+    assert proc.returncode == 0, out
+    assert f"resumed from {ckpt_dir / named} at step {resumed_from}" in out, out
+    summary = json.loads(resumed.read_text())
+    assert summary["start"] == resumed_from
+    after = {int(k): v for k, v in summary["losses"].items()}
+    assert sorted(after) == list(range(resumed_from + 1, 9))
+    # Same layout, same data, CPU: the resumed run is bit-identical to the uninterrupted one.
+    assert after == {step: reference[step] for step in after}, (after, reference)
+
+
+def _sleep_forever():
+    time.sleep(600)
+
+
+def _fork_then_die(rank, port, pids):
+    """Rank 0 forks a child (as megatron-core's checkpoint writer does) and is SIGKILLed; rank 1
+    then waits in a barrier for it."""
+    import torch.distributed as dist
+
+    from aoe_megatron.distributed import init_megatron
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    init_megatron(rank=rank, world_size=2, expert_parallel_size=1, timeout_minutes=1)
+    dist.barrier()
+    if rank == 0:
+        child = mp.get_context("fork").Process(target=_sleep_forever)
+        child.start()
+        pids.put(child.pid)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.barrier()
+        pids.put(("returned", time.monotonic() - start))
+    except RuntimeError:
+        pids.put(("raised", time.monotonic() - start))
+
+
+def test_a_rank_killed_with_a_forked_child_alive_is_still_seen_to_die():
+    # Without the parent-death signal the child keeps rank 0's sockets open: rank 1 waits the
+    # whole timeout (a minute here) and the child lives on.
+    ctx = mp.get_context("spawn")
+    pids = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_fork_then_die, args=(r, port, pids)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, "a rank hung"
+    child = pids.get()
+    outcome, waited = pids.get()
+    time.sleep(0.5)  # the child's SIGKILL and its reaping by init
+    stat = Path(f"/proc/{child}/stat")
+    child_alive = stat.exists() and stat.read_text().split()[2] != "Z"  # Z: dead, not yet reaped
+    if child_alive:
+        os.kill(child, signal.SIGKILL)
+    assert outcome == "raised" and waited < 10, (outcome, waited)
+    assert not child_alive, "the forked child outlived its rank"
+
+
+def test_the_collective_timeout_is_a_positive_setting(capsys):
+    from aoe_megatron.train.config import parse_train_args
+    from aoe_megatron.train.loop import main
+
+    cfg = parse_train_args(["--preset", "tiny", "--train-steps", "1",
+                            "--distributed-timeout-minutes", "0.5"])
+    assert cfg.distributed_timeout_minutes == 0.5
+    assert main(["--preset", "tiny", "--train-steps", "2", "--mock-data",
+                 "--distributed-timeout-minutes", "0"]) == 2
+    assert "--distributed-timeout-minutes must be positive" in capsys.readouterr().err

@@ -1,0 +1,172 @@
+"""Resume at another parallel layout (issue #13): a checkpoint written at world W / EP e resumes at
+W' / e' with weights, Adam moments, step, schedule and data position, and the next 5 losses equal
+those of the run that continued at the original layout. Resetting the moments must change them.
+
+Everything runs through the real entry point (torchrun, gloo, DeepSpeed ZeRO).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SAVE_AT, STEPS = 3, 8  # the 5 steps after the checkpoint are compared
+SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size", "4",
+            "--micro-batch-size", "1", "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval",
+            "0", "--log-interval", "1", "--mock-data", "--train-steps", str(STEPS),
+            "--save-interval", str(SAVE_AT)]
+TOL = 1e-5
+
+
+def _train(tmp: Path, name: str, *, world: int, ep: int, zero: int = 2, ckpt: Path) -> dict:
+    from aoe_megatron.distributed import free_port
+
+    summary = tmp / f"{name}.json"
+    env = {**os.environ, "AOE_SUMMARY": str(summary), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_port", str(free_port()), "-m", "aoe_megatron.train", *SETTINGS,
+           "--expert-parallel-size", str(ep), "--zero-stage", str(zero), "--ckpt-dir", str(ckpt),
+           "--run-dir", str(tmp / f"run_{name}")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    result = json.loads(summary.read_text())
+    result["losses"] = {int(k): v for k, v in result["losses"].items()}
+    result["log"] = proc.stdout
+    return result
+
+
+def _checkpoint_copy(src: Path, dst: Path) -> Path:
+    """A ckpt dir holding only ``src``'s step-SAVE_AT checkpoint."""
+    name = f"step_{SAVE_AT:08d}"
+    dst.mkdir(parents=True)
+    shutil.copytree(src / name, dst / name)
+    (dst / "latest").write_text(name + "\n")
+    return dst
+
+
+def _resumed(tmp: Path, name: str, source: Path, *, world: int, ep: int, zero: int = 2) -> dict:
+    result = _train(tmp, name, world=world, ep=ep, zero=zero,
+                    ckpt=_checkpoint_copy(source, tmp / f"ck_{name}"))
+    assert result["start"] == SAVE_AT, result["log"][-3000:]
+    return result
+
+
+def _assert_same_continuation(resumed: dict, reference: dict) -> None:
+    expected = {s: reference["losses"][s] for s in range(SAVE_AT + 1, STEPS + 1)}
+    assert sorted(resumed["losses"]) == sorted(expected)
+    for step, loss in expected.items():
+        assert abs(resumed["losses"][step] - loss) <= TOL, (step, resumed["losses"], expected)
+
+
+@pytest.fixture(scope="module")
+def from_world2_ep2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("w2")
+    reference = _train(tmp, "reference", world=2, ep=2, ckpt=tmp / "ck_reference")
+    assert sorted(reference["losses"]) == list(range(1, STEPS + 1))
+    return tmp, reference
+
+
+def test_world2_ep2_resumes_at_world1_ep1(from_world2_ep2):
+    tmp, reference = from_world2_ep2
+    resumed = _resumed(tmp, "w1", tmp / "ck_reference", world=1, ep=1)
+    assert "world size 2 -> 1, EP 2 -> 1" in resumed["log"], resumed["log"][-3000:]
+    _assert_same_continuation(resumed, reference)
+
+
+def test_world2_ep2_resumes_at_world4_ep2_and_zero1(from_world2_ep2):
+    tmp, reference = from_world2_ep2
+    resumed = _resumed(tmp, "w4", tmp / "ck_reference", world=4, ep=2, zero=1)
+    assert "world size 2 -> 4, ZeRO stage 2 -> 1" in resumed["log"], resumed["log"][-3000:]
+    _assert_same_continuation(resumed, reference)
+
+
+def test_world1_ep1_resumes_at_world2_ep2(tmp_path):
+    reference = _train(tmp_path, "reference", world=1, ep=1, ckpt=tmp_path / "ck_reference")
+    resumed = _resumed(tmp_path, "w2", tmp_path / "ck_reference", world=2, ep=2)
+    assert "world size 1 -> 2, EP 1 -> 2" in resumed["log"], resumed["log"][-3000:]
+    _assert_same_continuation(resumed, reference)
+
+
+def _zero_adam_moments(checkpoint: Path) -> None:
+    """Rewrite a checkpoint's optimizer shards with the Adam moments set to zero (and a new
+    manifest, so it still verifies)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    from aoe_megatron.train import integrity
+
+    optim = checkpoint / "optimizer"
+    flat = checkpoint.parent / "optimizer.pt"
+    dcp_to_torch_save(str(optim), str(flat))
+    state = torch.load(flat, weights_only=True)
+    moments = [k for k in state if k.startswith(("optimizer.exp_avg.", "optimizer.exp_avg_sq."))]
+    assert moments and any(state[k].abs().sum() > 0 for k in moments)
+    for key in moments:
+        state[key].zero_()
+    torch.save(state, flat)
+    keep = {p.name: p.read_bytes() for p in optim.iterdir() if p.name in ("metadata.json", "common.pt")}
+    shutil.rmtree(optim)
+    torch_save_to_dcp(str(flat), str(optim))
+    for name, data in keep.items():
+        (optim / name).write_bytes(data)
+    flat.unlink()
+    integrity.write_manifest(checkpoint)
+
+
+def test_resetting_the_adam_moments_changes_the_continuation(from_world2_ep2):
+    """The resumes above match because the moments are restored: without them they do not."""
+    tmp, reference = from_world2_ep2
+    ckpt = _checkpoint_copy(tmp / "ck_reference", tmp / "ck_reset")
+    _zero_adam_moments(ckpt / f"step_{SAVE_AT:08d}")
+    reset = _train(tmp, "reset", world=1, ep=1, ckpt=ckpt)
+    assert reset["start"] == SAVE_AT
+    # The first step after the resume runs on the restored weights: same loss. Every later one
+    # follows an Adam update without the moments.
+    first = SAVE_AT + 1
+    assert abs(reset["losses"][first] - reference["losses"][first]) <= TOL
+    later = [abs(reset["losses"][s] - reference["losses"][s]) for s in range(first + 1, STEPS + 1)]
+    assert max(later) > 100 * TOL, (reset["losses"], reference["losses"])
+
+
+def test_zero3_checkpoint_resumes_at_another_world_size(tmp_path):
+    """ZeRO-3 (EP = 1 only): parameters are partitioned too; they are gathered to save and follow
+    the restored fp32 masters on load."""
+    reference = _train(tmp_path, "reference", world=2, ep=1, zero=3, ckpt=tmp_path / "ck_reference")
+    resumed = _resumed(tmp_path, "w1", tmp_path / "ck_reference", world=1, ep=1, zero=3)
+    assert "world size 2 -> 1" in resumed["log"], resumed["log"][-3000:]
+    _assert_same_continuation(resumed, reference)
+
+
+def _rng_round_trip(rank, world_size):
+    import torch
+    from megatron.core import tensor_parallel
+
+    from aoe_megatron.train import optim_state
+
+    def draws():
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            forked = torch.rand(4)
+        return torch.cat([torch.rand(4), forked])
+
+    saved = optim_state.rng_state()
+    first = draws()
+    assert not torch.equal(first, draws())  # the streams move on
+    optim_state.set_rng_state(saved)
+    assert torch.equal(first, draws())  # and come back exactly
+    optim_state.reseed(1234, 10, rank)
+    reseeded = draws()
+    optim_state.reseed(1234, 10, rank)
+    assert torch.equal(reseeded, draws()) and not torch.equal(reseeded, first)
+
+
+def test_random_generators_are_restored_exactly():
+    from tests.helpers import run_distributed
+
+    run_distributed(_rng_round_trip, 1)
