@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SAVE_AT, STEPS = 3, 8  # the 5 steps after the checkpoint are compared
+SAVE_AT, STEPS = 3, 11  # checkpoints at steps 3, 6, 9 and 11; at least 5 steps after a resume
 SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size", "4",
             "--micro-batch-size", "1", "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval",
             "0", "--log-interval", "1", "--mock-data", "--train-steps", str(STEPS),
@@ -39,30 +39,35 @@ def _train(tmp: Path, name: str, *, world: int, ep: int, zero: int = 2, ckpt: Pa
     result = json.loads(summary.read_text())
     result["losses"] = {int(k): v for k, v in result["losses"].items()}
     result["log"] = proc.stdout
+    result["ckpt"] = ckpt
     return result
 
 
-def _checkpoint_copy(src: Path, dst: Path) -> Path:
-    """A ckpt dir holding only ``src``'s step-SAVE_AT checkpoint."""
-    name = f"step_{SAVE_AT:08d}"
+def _checkpoint_copy(src: Path, dst: Path, step: int) -> Path:
+    """A ckpt dir holding only ``src``'s checkpoint of ``step``."""
+    name = f"step_{step:08d}"
     dst.mkdir(parents=True)
     shutil.copytree(src / name, dst / name)
     (dst / "latest").write_text(name + "\n")
     return dst
 
 
-def _resumed(tmp: Path, name: str, source: Path, *, world: int, ep: int, zero: int = 2) -> dict:
+def _resumed(tmp: Path, name: str, source: Path, *, world: int, ep: int, zero: int = 2,
+             step: int = SAVE_AT) -> dict:
     result = _train(tmp, name, world=world, ep=ep, zero=zero,
-                    ckpt=_checkpoint_copy(source, tmp / f"ck_{name}"))
-    assert result["start"] == SAVE_AT, result["log"][-3000:]
+                    ckpt=_checkpoint_copy(source, tmp / f"ck_{name}", step))
+    assert result["start"] == step, result["log"][-3000:]
     return result
 
 
-def _assert_same_continuation(resumed: dict, reference: dict) -> None:
-    expected = {s: reference["losses"][s] for s in range(SAVE_AT + 1, STEPS + 1)}
-    assert sorted(resumed["losses"]) == sorted(expected)
-    for step, loss in expected.items():
-        assert abs(resumed["losses"][step] - loss) <= TOL, (step, resumed["losses"], expected)
+def _assert_same_continuation(resumed: dict, original: dict) -> None:
+    """Every step after the resume (at least 5) has the loss of the run that went on at the
+    checkpoint's own layout."""
+    steps = sorted(resumed["losses"])
+    assert steps == list(range(resumed["start"] + 1, STEPS + 1)) and len(steps) >= 5
+    for step in steps:
+        assert abs(resumed["losses"][step] - original["losses"][step]) <= TOL, (
+            step, resumed["losses"], original["losses"])
 
 
 @pytest.fixture(scope="module")
@@ -80,18 +85,17 @@ def test_world2_ep2_resumes_at_world1_ep1(from_world2_ep2):
     _assert_same_continuation(resumed, reference)
 
 
-def test_world2_ep2_resumes_at_world4_ep2_and_zero1(from_world2_ep2):
+def test_world2_ep2_resumes_at_world4_ep2_zero1_and_back(from_world2_ep2):
+    """World 2 -> 4 (and ZeRO-2 -> 1), then the reverse: the world-4 run's own checkpoint of step
+    6 resumes at world 2 / ZeRO-2 and continues as the world-4 run did."""
     tmp, reference = from_world2_ep2
-    resumed = _resumed(tmp, "w4", tmp / "ck_reference", world=4, ep=2, zero=1)
-    assert "world size 2 -> 4, ZeRO stage 2 -> 1" in resumed["log"], resumed["log"][-3000:]
-    _assert_same_continuation(resumed, reference)
-
-
-def test_world1_ep1_resumes_at_world2_ep2(tmp_path):
-    reference = _train(tmp_path, "reference", world=1, ep=1, ckpt=tmp_path / "ck_reference")
-    resumed = _resumed(tmp_path, "w2", tmp_path / "ck_reference", world=2, ep=2)
-    assert "world size 1 -> 2, EP 1 -> 2" in resumed["log"], resumed["log"][-3000:]
-    _assert_same_continuation(resumed, reference)
+    wide = _resumed(tmp, "w4", tmp / "ck_reference", world=4, ep=2, zero=1)
+    assert "world size 2 -> 4, ZeRO stage 2 -> 1" in wide["log"], wide["log"][-3000:]
+    assert "gradient accumulation 2 -> 1 micro-batches per rank" in wide["log"]
+    _assert_same_continuation(wide, reference)
+    back = _resumed(tmp, "w4_to_w2", wide["ckpt"], world=2, ep=2, zero=2, step=2 * SAVE_AT)
+    assert "world size 4 -> 2, ZeRO stage 1 -> 2" in back["log"], back["log"][-3000:]
+    _assert_same_continuation(back, wide)
 
 
 def _zero_adam_moments(checkpoint: Path) -> None:
@@ -123,7 +127,7 @@ def _zero_adam_moments(checkpoint: Path) -> None:
 def test_resetting_the_adam_moments_changes_the_continuation(from_world2_ep2):
     """The resumes above match because the moments are restored: without them they do not."""
     tmp, reference = from_world2_ep2
-    ckpt = _checkpoint_copy(tmp / "ck_reference", tmp / "ck_reset")
+    ckpt = _checkpoint_copy(tmp / "ck_reference", tmp / "ck_reset", SAVE_AT)
     _zero_adam_moments(ckpt / f"step_{SAVE_AT:08d}")
     reset = _train(tmp, "reset", world=1, ep=1, ckpt=ckpt)
     assert reset["start"] == SAVE_AT

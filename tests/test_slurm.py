@@ -1,7 +1,6 @@
 """run/slurm/pretrain.sbatch on a real (local, two-node) Slurm cluster: tiny preset, EP=2 across
-the two nodes. A few steps and the job completes; and a job whose time limit comes mid-run is
-warned by Slurm (SIGTERM), saves, requeues itself, resumes and finishes with the losses of an
-uninterrupted run."""
+the two nodes. A job whose time limit comes mid-run is warned by Slurm (SIGTERM), saves, requeues
+itself, resumes and finishes with the losses of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -117,22 +116,6 @@ def _wait_until_ended(env, job_id: str, timeout: float, tick=None) -> str:
             tick()
         time.sleep(1)
     return state
-
-
-def test_sbatch_template_trains_across_two_nodes(cluster, tmp_path):
-    data = _small_corpus(tmp_path)
-    env = _template_env(cluster, tmp_path, data, steps=4, extra="--eval-interval 2 --eval-iters 2")
-    log = tmp_path / "job.out"
-    job_id = _sbatch(env, log)
-    state = _wait_until_ended(env, job_id, 600)
-    output = log.read_text() if log.exists() else ""
-    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{output[-4000:]}"
-    assert "on 2 node(s) x 1" in output and "training finished" in output, output[-4000:]
-    finished = json.loads((tmp_path / "run" / "finished.json").read_text())
-    assert finished["steps"] == 4 and finished["final_valid_loss"] is not None
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step_00000004"
-    record = json.loads((tmp_path / "run" / "run.json").read_text())
-    assert record["world_size"] == 2
 
 
 # The time-limit test runs the template with --time=2 --signal=TERM@30. slurmctld checks time limits
@@ -269,6 +252,9 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
     assert f"resumed from {ckpt_dir / f'step_{stop_step:08d}'} at step {stop_step}" in output, (
         output[-6000:])
     assert "training finished" in output, output[-6000:]
+    assert "on 2 node(s) x 1" in output, output[-6000:]
+    assert json.loads((run_dir / "run.json").read_text())["world_size"] == 2
+    assert (ckpt_dir / "latest").read_text().strip() == f"step_{steps:08d}"
     assert json.loads((run_dir / "finished.json").read_text())["steps"] == steps
     restarts = re.search(r"Restarts=(\d+)", subprocess.run(
         ["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env).stdout)
