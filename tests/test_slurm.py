@@ -154,17 +154,24 @@ def _train_losses(run_dir: Path) -> dict:
     return losses
 
 
+def _cmdline(pid) -> list:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+
+
 def _training_pids(run_dir: Path) -> list:
-    """The training processes writing to ``run_dir`` (not their torchrun agents)."""
+    """The training processes writing to ``run_dir``: torchrun's workers, not torchrun itself nor
+    the workers' own children (forked checkpoint writers share their command line)."""
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:  # not a process, or it just ended
+            args = _cmdline(entry.name)
+            if "aoe_megatron.train" not in args or str(run_dir) not in args:
+                continue
+            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            if "torch.distributed.run" in _cmdline(parent) and "torch.distributed.run" not in args:
+                pids.append(int(entry.name))
+        except (OSError, IndexError):  # not a process, or it just ended
             continue
-        if ("aoe_megatron.train" in args and str(run_dir) in args
-                and "torch.distributed.run" not in args):
-            pids.append(int(entry.name))
     return pids
 
 
