@@ -6,6 +6,8 @@ None is required: each is used when present. NVIDIA apex is not on PyPI (the PyP
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import logging
 import warnings
@@ -25,6 +27,31 @@ def have_nvidia_apex() -> bool:
 
 def have_transformer_engine() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+#: The compiled softmax kernels megatron-core's ``FusedScaleMaskSoftmax`` imports (apex builds
+#: them; TransformerEngine's attention does not use them).
+FUSED_SOFTMAX_KERNELS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_softmax_cuda",
+                         "scaled_softmax_cuda")
+
+
+@functools.cache
+def fused_softmax_available() -> bool:
+    """Whether megatron-core's fused attention softmax can run here: CUDA, and its compiled kernels
+    import.
+
+    NOTE: with ``masked_softmax_fusion`` set, megatron-core's ``FusedScaleMaskSoftmax`` imports
+    ``scaled_masked_softmax_cuda`` at the first bf16/fp16 forward of qualifying shapes: without
+    those kernels (no apex built with them) that forward fails.
+    """
+    if not torch.cuda.is_available():
+        return False
+    try:
+        for name in FUSED_SOFTMAX_KERNELS:
+            importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def runtime_summary() -> str:

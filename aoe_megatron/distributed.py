@@ -25,6 +25,58 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def comm_device(group=None) -> torch.device:
+    """The device whose tensors ``group``'s collectives take (default: the world group).
+
+    This process's CUDA device when the group reduces CUDA tensors with NCCL, else the CPU (gloo).
+    NOTE: a group started with plain ``nccl`` has no CPU backend: a collective on a CPU tensor
+    raises "No backend type associated with device type cpu". Every tensor collective of the
+    training loop takes its device from here, rather than registering gloo beside NCCL for every
+    group (``cpu:gloo,cuda:nccl``): that would open a gloo connection mesh per megatron-core and
+    DeepSpeed group and silently route any stray CPU tensor over TCP.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    spec = str(dist.get_backend(group))
+    if ":" in spec:  # per device type, e.g. "cpu:gloo,cuda:nccl"
+        by_device = dict(part.split(":", 1) for part in spec.split(","))
+    else:
+        by_device = {"cuda" if spec == "nccl" else "cpu": spec}
+    if by_device.get("cuda") == "nccl" or "cpu" not in by_device:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_across_ranks(tensor: torch.Tensor, *, op: str = "sum", group=None) -> torch.Tensor:
+    """``tensor`` reduced over ``group``'s ranks ("sum", "max" or "mean"), as a new tensor on the
+    group's communication device (``comm_device``); read it with ``.item()`` / ``.tolist()``.
+    Without a process group it is ``tensor`` itself (one process)."""
+    if op not in ("sum", "max", "mean"):
+        raise ValueError(f"op must be 'sum', 'max' or 'mean', got {op!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor.detach().clone()
+    out = tensor.detach().to(comm_device(group), copy=True)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    if op == "mean":
+        out /= dist.get_world_size(group)
+    return out
+
+
+def local_device_index(rank: int = 0) -> int:
+    """The CUDA device this process drives: ``LOCAL_RANK`` (else ``rank``) modulo the devices it
+    sees, written back to ``LOCAL_RANK``.
+
+    NOTE: launched by ``srun`` with one task per GPU (``--gpus-per-task=1``), each task sees one
+    device (CUDA_VISIBLE_DEVICES) while its LOCAL_RANK (SLURM_LOCALID) counts the node's tasks:
+    device 3 would be an invalid ordinal. DeepSpeed's engine picks its device from the
+    environment's LOCAL_RANK itself, hence the write-back.
+    """
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    index = local % torch.cuda.device_count()
+    os.environ["LOCAL_RANK"] = str(index)
+    return index
+
+
 DEFAULT_TIMEOUT_MINUTES = 10.0
 """Megatron-LM's ``--distributed-timeout-minutes`` default (torch's own is 30 minutes)."""
 
@@ -54,8 +106,7 @@ def init_megatron(
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         if torch.cuda.is_available():
-            local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(local_device_index(rank))
         dist.init_process_group(backend or default_backend(), rank=rank, world_size=world_size,
                                 timeout=timedelta(minutes=timeout_minutes))
     if parallel_state.model_parallel_is_initialized():

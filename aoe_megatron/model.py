@@ -208,6 +208,8 @@ def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **ext
     """megatron-core TransformerConfig for ``cfg``; ``extra`` passes further megatron settings."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from aoe_megatron.compat import fused_softmax_available
+
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         num_layers=cfg.num_layers,
@@ -231,7 +233,7 @@ def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **ext
         use_cpu_initialization=not on_gpu,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu,
+        masked_softmax_fusion=fused_softmax_available(),  # its kernels come with apex
         gradient_accumulation_fusion=False,
     )
     kwargs.update(extra)

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from aoe_megatron.train.config import (
     TrainConfig,
@@ -42,9 +41,9 @@ class _StopFlag:
         self.raised = True
 
     def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.raised else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        from aoe_megatron.distributed import reduce_across_ranks
+
+        return bool(reduce_across_ranks(torch.tensor(float(self.raised)), op="max").item())
 
 
 def _record_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> None:
@@ -82,7 +81,7 @@ def train(cfg: TrainConfig) -> dict:
         clear_aux_losses_tracker,
     )
 
-    from aoe_megatron.distributed import bound_collective_waits, init_megatron
+    from aoe_megatron.distributed import bound_collective_waits, init_megatron, reduce_across_ranks
     from aoe_megatron.model import build_gpt_model, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train import datacheck
@@ -165,13 +164,11 @@ def train(cfg: TrainConfig) -> dict:
 
     def evaluate(step: int) -> float:
         model.eval()
-        total = torch.zeros(())
         with torch.no_grad():
-            for i in range(cfg.eval_iters):
-                total += lm_loss(engine, batches.valid_batch(i)).cpu()
+            total = sum(lm_loss(engine, batches.valid_batch(i)).detach().float()
+                        for i in range(cfg.eval_iters))
         model.train()
-        dist.all_reduce(total)
-        value = total.item() / (cfg.eval_iters * dist.get_world_size())
+        value = reduce_across_ranks(total, op="mean").item() / cfg.eval_iters
         reporter.scalar("valid/loss", value, step)
         if rank == 0:
             print(f"step {step:>7}/{steps}  validation loss {value:.4f}", flush=True)
@@ -192,13 +189,13 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in range(start, steps):
             lr = scheduler.get_last_lr()[0]
-            step_loss = torch.zeros(())
+            step_loss = 0.0  # on the model's device: no host sync per micro-batch
             for micro in range(gas):
                 loss = lm_loss(engine, batches.train_batch(step, micro, gas))
                 loss = nonfinite.inject(step + 1, loss, rank)  # --inject-nonfinite (tests)
                 engine.backward(loss)
                 engine.step()
-                step_loss += loss.detach().cpu() / gas
+                step_loss = step_loss + loss.detach().float() / gas
             aux = None
             try:
                 from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -208,9 +205,7 @@ def train(cfg: TrainConfig) -> dict:
                     aux = float(tracker["load_balancing_loss"]["values"].sum()) / gas
             finally:
                 clear_aux_losses_tracker()
-            dist.all_reduce(step_loss)
-            step_loss /= dist.get_world_size()
-            losses[step + 1] = step_loss.item()
+            losses[step + 1] = reduce_across_ranks(step_loss, op="mean").item()
             log_now = (step + 1) % cfg.log_interval == 0 or step + 1 == steps
             grad_norm = engine.get_global_grad_norm()
             verdict = nonfinite.check(step + 1, loss=losses[step + 1], grad_norm=grad_norm,

@@ -16,7 +16,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 
 def _number(value):
@@ -47,9 +46,10 @@ class StockRouterStats:
         logits = torch.nn.functional.linear(x.float(), module.weight.float())
         p = torch.softmax(logits, dim=-1).double()
         counts = routing_map.reshape(-1, self.num_experts).double().sum(0)
-        self.last_load = (counts / counts.sum().clamp_min(1)).float().cpu()
-        self.last_ent_conf = (-(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()).float().cpu()
-        self.last_mean_norm = logits.mean(0).float().cpu()
+        # NOTE: kept on the router's device (no host sync per forward); selection_stats moves them
+        self.last_load = (counts / counts.sum().clamp_min(1)).float()
+        self.last_ent_conf = (-(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()).float()
+        self.last_mean_norm = logits.mean(0).float()
         self.layer_number = module.layer_number
 
 
@@ -63,17 +63,16 @@ def selection_stats(model, stock_stats=()) -> dict:
     """Per MoE layer, averaged over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load,
     Ent_conf (Eq. 8), each expert's mean activation norm (AoE; the paper's Figure 4) or mean
     router logit (stock MoE), and L_aux (AoE)."""
+    from aoe_megatron.distributed import comm_device, reduce_across_ranks
     from aoe_megatron.router import SelectionRouter
 
     routers = [m for m in model.modules() if isinstance(m, SelectionRouter)] or list(stock_stats)
     if not routers:
         return {}
-    packed = torch.stack([torch.cat([r.last_load.float().cpu(), r.last_mean_norm.float().cpu(),
-                                     r.last_ent_conf.float().cpu().view(1),
-                                     r.last_aux_loss.float().cpu().view(1)]) for r in routers])
-    if dist.is_initialized():
-        dist.all_reduce(packed)
-        packed /= dist.get_world_size()
+    device = comm_device()
+    packed = torch.stack([torch.cat([t.detach().float().to(device).view(-1) for t in (
+        r.last_load, r.last_mean_norm, r.last_ent_conf, r.last_aux_loss)]) for r in routers])
+    packed = reduce_across_ranks(packed, op="mean").cpu()
     e = routers[0].last_load.numel()
     stats = {}
     for r, row in zip(routers, packed):
