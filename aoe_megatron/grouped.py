@@ -120,6 +120,7 @@ class GroupedMMGroups:
 
     def __init__(self, counts: Sequence[int], device: torch.device):
         self.counts = [int(c) for c in counts]
+        self.empty = [l for l, c in enumerate(self.counts) if c == 0]
         ends = torch.cumsum(torch.tensor(self.counts, dtype=torch.int64), 0)
         self.offs_L = ends.to(device=device, dtype=torch.int32)
 
@@ -139,7 +140,20 @@ class GroupedMMGroups:
         return self.mm(x_NB, w_LAB.transpose(-2, -1), out=out)
 
     def wgrad(self, x_NA: torch.Tensor, dy_NB: torch.Tensor, name=None) -> torch.Tensor:
-        return torch._grouped_mm(_aligned(x_NA).t(), _aligned(dy_NB), offs=self.offs_L)
+        """[L, A, B]; zero for experts without rows.
+
+        NOTE: empty experts are guarded here, not left to the kernel: with no rows at all (a rank
+        whose experts received no tokens) the contraction length is 0 and CUDA's
+        ``_grouped_mm`` rejects the operand's strides; a single empty group has been reported
+        to come back non-zero on some GPUs (pytorch/pytorch#172439).
+        """
+        num_groups = len(self.counts)
+        if sum(self.counts) == 0:
+            return x_NA.new_zeros(num_groups, x_NA.shape[1], dy_NB.shape[1])
+        out_LAB = torch._grouped_mm(_aligned(x_NA).t(), _aligned(dy_NB), offs=self.offs_L)
+        if self.empty:
+            out_LAB[self.empty] = 0
+        return out_LAB
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

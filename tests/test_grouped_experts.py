@@ -233,3 +233,53 @@ def test_cuda_grouped_mm_bf16_matches_loop():
     assert_close(outs[1], outs[0], rtol=2e-2, atol=2e-2)
     for k in w:
         assert_close(grads[1][k], grads[0][k], rtol=5e-2, atol=5e-2, msg=k)
+
+
+def _backward_without_tokens(device: str, counts):
+    """A rank whose local experts got ``counts`` rows (all zero: no tokens at all): the forward
+    gives [0, D] and the backward zero weight gradients (every rank reduces them under EP)."""
+    dev = torch.device(device)
+    n, dt = sum(counts), torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+    rows = torch.randn(n, 64 + 16, generator=gen).to(dev, dt).requires_grad_(True)
+    probs = torch.rand(n, generator=gen).to(dev).requires_grad_(True)
+    shapes = {"w_up": (16, 96), "w_p": (64, 96), "w_o": (96, 64)}
+    w = {k: (torch.randn(len(counts), *s, generator=gen) * 0.1).to(dev, dt).requires_grad_(True)
+         for k, s in shapes.items()}
+    groups = grouped.make_groups(counts, backend="grouped_mm", device=dev, dtype=dt,
+                                 widths=(64, 16, 96))
+    out = kernels.grouped_experts(rows, probs_N=probs, groups=groups, d_model=64, **w)
+    out.float().square().sum().backward()
+    assert out.shape == (n, 64)
+    for name, v in w.items():
+        for local, count in enumerate(counts):
+            if count == 0:
+                assert v.grad[local].abs().max().item() == 0, f"{name} of expert {local}"
+
+
+def test_grouped_mm_backward_for_experts_without_tokens(monkeypatch):
+    """On CPU with ``_grouped_mm`` behaving as reported on GPUs: a contraction of length 0 is
+    refused (CUDA's stride check) and an empty group's weight gradient is left as garbage
+    (pytorch/pytorch#172439); the CPU kernel itself copes with both."""
+    real = torch._grouped_mm
+
+    def as_on_gpus(a, b, offs=None, **kw):
+        if a.dim() == 2 and b.dim() == 2 and a.shape[1] == 0:
+            raise RuntimeError("strides should be multiple of 16 bytes")
+        out = real(a, b, offs=offs, **kw)
+        if a.dim() == 2 and b.dim() == 2:  # the weight-gradient form: one [A, B] per group
+            sizes = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+            out[sizes == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch, "_grouped_mm", as_on_gpus)
+    _backward_without_tokens("cpu", [0, 0, 0, 0])
+    _backward_without_tokens("cpu", [0, 40, 0, 17])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_mm_backward_for_experts_without_tokens():
+    """CUDA's ``_grouped_mm`` rejects a weight-gradient GEMM with no rows at all."""
+    _backward_without_tokens("cuda", [0, 0, 0, 0])
+    _backward_without_tokens("cuda", [0, 40, 0, 17])
