@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Union
 
-from aoe_megatron.ops import FACTORIZATIONS, NORM_ORDERS, d_wide_for_parity
+from aoe_megatron.ops import (
+    D_WIDE_ROUNDING,
+    FACTORIZATIONS,
+    NORM_ORDERS,
+    d_wide_for_parity,
+    round_to_multiple,
+)
 from aoe_megatron.selection import select_experts, selection_strategies
 
 CACHE_MODES = ("send", "recompute")
@@ -32,9 +38,12 @@ class AoEConfig:
     d_ffn: int | None = None
     """The traditional MoE expert width that "auto" d_wide matches (Eq. 5)."""
     d_wide_multiple: int = 1
-    """d_wide "auto" is rounded up to a multiple of this (1: Eq. 5 as the paper). GEMMs run
-    faster on aligned widths: at the 4B shape Eq. 5 gives 6470, and 64 gives 6528 (0.9% more
-    parameters per expert); ``make bench`` measures both."""
+    """d_wide "auto" is rounded to a multiple of this (1: Eq. 5 as the paper), as
+    ``d_wide_round`` says. GEMMs run faster on aligned widths: at the 4B shape Eq. 5 gives 6470;
+    64 rounds it up to 6528 (0.9% more parameters per expert) or to the nearest 6464 (0.08%
+    fewer); ``make bench`` measures them."""
+    d_wide_round: str = "up"
+    """How d_wide "auto" is rounded to ``d_wide_multiple``: "up" or "nearest"."""
     norm: str = "l2"
     """Norm that ranks experts: "l2" (paper), "l1" or "linf" (Appendix A)."""
     weight_mode: str = "topk_softmax"
@@ -108,6 +117,9 @@ class AoEConfig:
         if not isinstance(self.d_wide_multiple, int) or self.d_wide_multiple <= 0:
             raise ValueError(f"AoE d_wide_multiple must be a positive integer, got "
                              f"{self.d_wide_multiple!r}.")
+        if self.d_wide_round not in D_WIDE_ROUNDING:
+            raise ValueError(f"unknown AoE d_wide_round {self.d_wide_round!r}; choose one of "
+                             f"{D_WIDE_ROUNDING}.")
         if self.d_wide == "auto":
             if not isinstance(self.d_ffn, int) or self.d_ffn <= 0:
                 raise ValueError(
@@ -166,7 +178,7 @@ class AoEConfig:
             if self.factorized == "none":  # W_g, W_p, W_o at full width: the MoE expert's shapes
                 return self.d_ffn
             w = d_wide_for_parity(d_model=self.d_model, d_ffn=self.d_ffn, d_low=self.d_low)
-            return -(-w // self.d_wide_multiple) * self.d_wide_multiple
+            return round_to_multiple(w, multiple=self.d_wide_multiple, mode=self.d_wide_round)
         return self.d_wide
 
     @property
@@ -185,7 +197,7 @@ MEGATRON_FIELD_MAP = {
     "dispatcher": "moe_token_dispatcher_type",
     "expert_parallel_size": "expert_model_parallel_size",
 }
-AOE_ONLY_FIELDS = ("d_low", "d_wide", "d_wide_multiple", "norm", "weight_mode", "selection_options", "rank_source",
+AOE_ONLY_FIELDS = ("d_low", "d_wide", "d_wide_multiple", "d_wide_round", "norm", "weight_mode", "selection_options", "rank_source",
                    "factorized", "inference_selection", "imitation_coeff", "ent_conf_coeff", "input_jitter", "cache_mode",
                    "lean_cache", "expert_backend", "recompute_low_rank")
 

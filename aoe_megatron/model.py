@@ -22,7 +22,9 @@ class AoESettings:
     d_wide: Any = "auto"
     """Wide width of W_up/W_p/W_o, or "auto" for parameter parity with the MoE expert (Eq. 5)."""
     d_wide_multiple: int = 1
-    """Round d_wide "auto" up to a multiple of this (64: aligned GEMMs; 1: Eq. 5 exactly)."""
+    """Round d_wide "auto" to a multiple of this (64: aligned GEMMs; 1: Eq. 5 exactly)."""
+    d_wide_round: str = "up"
+    """"up" (never fewer parameters than Eq. 5) or "nearest" (the closest parity)."""
     norm: str = "l2"
     """Expert-ranking norm: l2, l1 or linf."""
     weight_mode: str = "topk_softmax"

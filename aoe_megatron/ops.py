@@ -33,6 +33,21 @@ def d_wide_for_parity(*, d_model: int, d_ffn: int, d_low: int) -> int:
     return math.ceil(numerator / (d_low + 2 * d_model))
 
 
+D_WIDE_ROUNDING = ("up", "nearest")
+
+
+def round_to_multiple(width: int, *, multiple: int, mode: str = "up") -> int:
+    """``width`` rounded to a multiple of ``multiple``: "up" (an AoE expert never gets fewer
+    parameters than Eq. 5's) or "nearest" (the closest parity; halves round up; at least one
+    ``multiple``). At the 4B shape Eq. 5 gives 6470: 64 rounds it up to 6528 and to the nearest
+    6464."""
+    if mode not in D_WIDE_ROUNDING:
+        raise ValueError(f"unknown d_wide rounding {mode!r}; choose one of {D_WIDE_ROUNDING}")
+    if mode == "up":
+        return -(-width // multiple) * multiple
+    return max(multiple, (2 * width + multiple) // (2 * multiple) * multiple)
+
+
 def low_rank_cache(x_TD: torch.Tensor, *, w_down_DER: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Eq. 4: C = x [W_down^1, ..., W_down^E], one matmul for all experts, reshaped to [T, E, R]."""
     cache_TER = x_TD @ w_down_DER

@@ -1,11 +1,13 @@
-"""`make bench`: the FLOP formulas and memory probes by hand, the tool and the GPU script end to end.
+"""`make bench`: the FLOP formulas and memory probes by hand, the tool end to end.
 
 Timings are never asserted: only that they were taken.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -153,8 +155,9 @@ def test_quick_run_end_to_end(tmp_path):
     assert {"cpu", "cores", "torch", "megatron_core"} <= set(meta["machine"]) and meta["wall_s"] > 0
 
     assert set(res["layer"]) == {"tiny8", "tiny64"}
-    # d_wide64 where Eq. 5's d_wide is no multiple of 64 (tiny8: 164, tiny64: 42)
-    arms = {"moe", "aoe", "aoe-full-cache", "aoe-padded", "aoe-d_wide64", "aoe-naive"}
+    # d_wide64 (up and nearest) where Eq. 5's d_wide is no multiple of 64 (tiny8: 164, tiny64: 42)
+    arms = {"moe", "aoe", "aoe-full-cache", "aoe-padded", "aoe-d_wide64", "aoe-d_wide64-nearest",
+            "aoe-naive"}
     for name, shape in res["layer"].items():
         # grouped_mm where torch._grouped_mm applies: tiny8's widths (64, 16, 164) are 16-byte
         # multiples in fp32, tiny64's d_wide 42 is not
@@ -171,8 +174,9 @@ def test_quick_run_end_to_end(tmp_path):
         assert set(rows) == {("moe", "moe"), ("moe", "aoe"), ("low_rank", "aoe")}
         # megatron's layer recompute keeps only the layer input (fp32)
         assert rows[("moe", "moe")] == s["tokens"] * s["d_model"] * 4, name
-        assert set(shape["ratios"]["targets"]) == {"time", "time_full_cache", "time_d_wide64",
-                                                   "saved_bytes_none", "saved_bytes_recompute_moe"}
+        assert set(shape["ratios"]["targets"]) == {
+            "time", "time_full_cache", "time_d_wide64", "time_d_wide64_nearest", "saved_bytes_none",
+            "saved_bytes_recompute_moe"}
         # the d_wide64 arm's FLOPs use its own, wider d_wide
         w64 = -(-s["d_wide"] // 64) * 64
         assert shape["flops"]["model"]["aoe-d_wide64"] == fl.training_flops(fl.aoe_block_forward_flops(
@@ -199,10 +203,101 @@ def test_quick_run_end_to_end(tmp_path):
     assert f"`tools/bench.py --quick --out {tmp_path}`" in md
 
 
-def test_gpu_script_runs_in_cpu_mode(tmp_path):
-    _run(["bash", "tools/bench_gpu.sh", "--cpu", "--shapes", "tiny8", "--only", "layer",
-          "--out", str(tmp_path)])
-    res = json.loads((tmp_path / "results.json").read_text())
-    assert res["meta"]["device"] == "cpu" and res["meta"]["quick"] is True
-    assert list(res["layer"]) == ["tiny8"] and "ep" not in res
-    assert "| tiny8 | aoe |" in (tmp_path / "README.md").read_text()
+def _eq5(d_model, d_ffn, d_low):
+    return math.ceil((3 * d_model * d_ffn - d_low * d_model) / (d_low + 2 * d_model))
+
+
+def _aoe_expert_params(d_model, d_low, d_wide):  # W_down^i, W_up^i, W_p^i, W_o^i
+    return d_model * d_low + d_low * d_wide + 2 * d_model * d_wide
+
+
+def test_d_wide_rounding_arms_and_their_parameters_at_the_paper_shapes():
+    from aoe_megatron.bench.arms import SHAPES, arm_d_wide, arms_for, expert_params
+
+    s4b = SHAPES["4b"]
+    assert _eq5(1280, 5120, 400) == s4b.d_wide == 6470
+    widths = {arm: arm_d_wide(s4b, arm) for arm in ("aoe", "aoe-d_wide64", "aoe-d_wide64-nearest")}
+    assert widths == {"aoe": 6470, "aoe-d_wide64": 6528, "aoe-d_wide64-nearest": 6464}
+    for arm, w in widths.items():
+        assert expert_params(s4b, arm) == _aoe_expert_params(1280, 400, w), arm
+    assert expert_params(s4b, "moe") == 3 * 1280 * 5120
+    # nearest: 0.08% fewer parameters than MoE's expert; up: 0.9% more
+    assert expert_params(s4b, "aoe-d_wide64-nearest") < expert_params(s4b, "moe")
+    cpu = dict(device="cpu", dtype=torch.float32)
+    assert {"aoe-d_wide64", "aoe-d_wide64-nearest"} <= set(arms_for(s4b, **cpu))
+    # 732m: Eq. 5 gives 3840 = 60 * 64, so neither rounded arm is measured
+    assert not {"aoe-d_wide64", "aoe-d_wide64-nearest"} & set(arms_for(SHAPES["732m"], **cpu))
+    assert arms_for(s4b, **cpu, wanted=["moe", "aoe-naive"]) == ["moe", "aoe-naive"]
+
+
+def test_model_level_defaults_leave_gpu_only_models_out_on_cpu():
+    from aoe_megatron.bench import model
+
+    assert model.MODELS["732m-4l"] == ("732m", {"num_layers": 4}, 4)  # the preset's 2048 tokens
+    assert model.default_models(quick=False, device="cpu") == ["tiny", "732m-2l"]  # not 732m-4l
+    assert model.default_models(quick=False, device="cuda") == list(model.MODELS)
+    assert model.default_models(quick=True, device="cuda") == ["tiny"]
+    with pytest.raises(ValueError, match="needs arch 'moe'"):
+        model.run(quick=True, device="cpu", dtype=torch.float32, use_te=False, reps=1,
+                  archs=("aoe", "aoe-loop"))
+
+
+def test_new_flags_refuse_unknown_names(capsys):
+    spec = importlib.util.spec_from_file_location("bench_cli", REPO / "tools" / "bench.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    _, args = cli.parse_args(["--arms", "aoe-d_wide64-nearest", "--model-archs", "moe,aoe-loop"])
+    assert args.arms == ["aoe-d_wide64-nearest"] and args.model_archs == ["moe", "aoe-loop"]
+    assert cli.parse_args([])[1].model_archs == ["moe", "aoe"]
+    for flags, message in (
+            (["--arms", "aoe,bogus"], "--arms: unknown ['bogus']; choose from moe,aoe,"),
+            (["--models", "732m-8l"], "--models: unknown ['732m-8l']; choose from tiny,732m-2l,"),
+            (["--quick", "--models", "732m-4l"], "with --quick choose from tiny"),
+            (["--model-archs", "moe,aoe-fast"], "--model-archs: unknown ['aoe-fast']"),
+            (["--model-archs", "aoe,aoe-loop"], "--model-archs must include moe")):
+        with pytest.raises(SystemExit) as exc:
+            cli.parse_args(flags)
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and message in err, (flags, err)
+
+
+def test_arms_flag_and_the_d_wide_and_parameter_columns(tmp_path):
+    out = _run([sys.executable, "tools/bench.py", "--quick", "--only", "layer", "--shapes",
+                "tiny64", "--arms", "aoe,aoe-d_wide64-nearest,aoe-grouped_mm", "--reps", "1",
+                "--out", str(tmp_path)])
+    # tiny64's d_wide 42 is no 16-byte multiple in fp32: grouped_mm is dropped, and said so
+    assert "[layer tiny64] time: dropping aoe-grouped_mm: torch._grouped_mm cannot" in out.stdout
+    res = json.loads((tmp_path / "results.json").read_text())["layer"]["tiny64"]
+    assert list(res["arms"]) == ["moe", "aoe", "aoe-d_wide64-nearest"]  # moe: always
+    d, f, r = 64, 32, 8
+    w = _eq5(d, f, r)
+    assert w == 42  # 42 / 64 = 0.66: the nearest multiple of 64 is 64
+    moe = 3 * d * f
+    want = {"aoe": (w, _aoe_expert_params(d, r, w)),
+            "aoe-d_wide64-nearest": (64, _aoe_expert_params(d, r, 64))}
+    assert res["experts"]["moe"] == {"d_wide": None, "d_ffn": f, "params": moe,
+                                     "params_vs_moe": 1.0}
+    for arm, (width, params) in want.items():
+        e = res["experts"][arm]
+        assert (e["d_wide"], e["params"]) == (width, params), arm
+        assert e["params_vs_moe"] == pytest.approx(params / moe)
+    assert "time_d_wide64_nearest" in res["ratios"]["targets"]
+    md = (tmp_path / "README.md").read_text()
+    assert ("| shape | arm | wall ms | CPU ms | saved MiB | peak MiB | GFLOP model (hw) | d_wide | "
+            "params/expert | vs moe |") in md
+    for arm, width, params in (("moe", "(d_ffn 32)", moe), *((a, *v) for a, v in want.items())):
+        row = next(line for line in md.splitlines() if line.startswith(f"| tiny64 | {arm} | "))
+        assert row.endswith(f"| {width} | {params:,} | {params / moe:.4f} |"), row
+
+
+def test_model_archs_flag(tmp_path):
+    _run([sys.executable, "tools/bench.py", "--quick", "--only", "model", "--model-archs",
+          "moe,aoe-loop", "--model-reps", "1", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())["model"]["models"]["tiny"]
+    assert list(res["archs"]) == ["moe", "aoe-loop"]
+    for a in res["archs"].values():
+        assert a["tokens_per_s"] > 0 and a["peak_bytes"] is not None
+    assert res["archs"]["aoe-loop"]["arch_overrides"] == {"aoe": {"expert_backend": "loop"}}
+    assert set(res["ratios"]) == {"aoe-loop"} and res["ratios"]["aoe-loop"]["time"] > 0
+    md = (tmp_path / "README.md").read_text()
+    assert "| tiny | aoe-loop | 2 x 64 x 2 |" in md and "| tiny | aoe-loop/moe |" in md

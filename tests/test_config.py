@@ -14,6 +14,7 @@ from aoe_megatron.config import (
     with_overrides,
 )
 from aoe_megatron.model import ModelConfig, load_preset
+from aoe_megatron.ops import round_to_multiple
 from tests.helpers import make_transformer_config
 
 BASE = dict(num_experts=8, top_k=2, d_model=64, d_low=16, d_ffn=128)
@@ -60,6 +61,21 @@ def test_d_wide_auto_follows_eq5():
                      d_wide_multiple=64).resolved_d_wide == 6528
     assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256,
                      d_wide_multiple=64).resolved_d_wide == 3840
+
+
+def test_d_wide_rounds_to_the_nearest_multiple():
+    """4B: Eq. 5's 6469.2 -> 6464 (101 x 64), expert parameters within 0.1% of the MoE expert's;
+    the 732M's 3840 is a multiple of 64 already."""
+    four_b = dict(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400, d_wide_multiple=64)
+    cfg = AoEConfig(**four_b, d_wide_round="nearest")
+    assert cfg.resolved_d_wide == 6464
+    aoe_params = 1280 * 400 + 6464 * (400 + 2 * 1280)
+    assert abs(aoe_params / (3 * 1280 * 5120) - 1) < 1e-3
+    assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256, d_wide_multiple=64,
+                     d_wide_round="nearest").resolved_d_wide == 3840
+    assert [round_to_multiple(w, multiple=64, mode="nearest") for w in (95, 96, 97, 10)] == [64, 128, 128, 64]
+    with pytest.raises(ValueError, match="d_wide_round 'down'"):
+        AoEConfig(**four_b, d_wide_round="down")
 
 
 def test_adapter_maps_every_field():

@@ -3,6 +3,8 @@
     python tools/bench.py                      # full run: layer, model and EP=2 levels
     python tools/bench.py --quick --out /tmp/b # tiny shapes, 2 reps: seconds
     python tools/bench.py --only layer --shapes 732m,fine64 --reps 7
+    python tools/bench.py --only layer --shapes 4b --arms aoe,aoe-d_wide64,aoe-d_wide64-nearest
+    python tools/bench.py --device cuda --only model --models 732m-4l --model-archs moe,aoe,aoe-loop
 
 Writes DIR/results.json (every number) and DIR/README.md (the tables, the command, the machine).
 Timings are medians over reps with the arms alternating rep by rep after one warm-up each.
@@ -27,7 +29,27 @@ def _csv(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _hide_cuda_for_cpu(argv) -> None:
+    """--device cpu: hide CUDA before anything imports torch (megatron's CPU patches apply only
+    without CUDA)."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--device")
+    if pre.parse_known_args(argv)[0].device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _check_names(ap, flag: str, names, known, quick_note: str = "") -> None:
+    bad = [n for n in names or () if n not in known]
+    if bad or names == []:
+        ap.error(f"{flag}: unknown {bad or 'nothing'}; {quick_note}choose from {','.join(known)}")
+
+
 def parse_args(argv):
+    _hide_cuda_for_cpu(argv)
+    from aoe_megatron.bench.arms import ARM_FIELDS  # the names the help lists
+    from aoe_megatron.bench.model import (ARCHS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
+                                          QUICK_MODELS)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.splitlines()[1:]))
@@ -45,6 +67,17 @@ def parse_args(argv):
                     help=f"comma-separated levels to run, of {','.join(LEVELS)} (default: all)")
     ap.add_argument("--shapes", type=_csv,
                     help="layer shapes (default all: 732m,4b,fine64; --quick: tiny8,tiny64)")
+    ap.add_argument("--arms", type=_csv,
+                    help=f"layer arms, of {','.join(ARM_FIELDS)} (default: all); moe, the "
+                         "baseline, always runs, and an arm that does not apply at a shape is "
+                         "dropped there")
+    ap.add_argument("--models", type=_csv,
+                    help=f"model-level entries, of {','.join(MODELS)} (default: all, but on CPU "
+                         f"not the GPU-only {','.join(GPU_ONLY_MODELS)}; --quick: "
+                         f"{','.join(QUICK_MODELS)})")
+    ap.add_argument("--model-archs", type=_csv, default=list(DEFAULT_ARCHS),
+                    help=f"model-level archs, of {','.join(ARCHS)} (default "
+                         f"{','.join(DEFAULT_ARCHS)}); moe, every ratio's baseline, must be one")
     ap.add_argument("--te", choices=("auto", "on", "off"), default="auto",
                     help="megatron-core's TransformerEngine spec (grouped GEMM) for MoE: default on "
                          "with CUDA and TE installed")
@@ -60,8 +93,13 @@ def parse_args(argv):
     for flag, value in (("--reps", args.reps), ("--model-reps", args.model_reps)):
         if value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # megatron's CPU patches apply only without CUDA
+    _check_names(ap, "--arms", args.arms, list(ARM_FIELDS))
+    _check_names(ap, "--models", args.models, list(QUICK_MODELS if args.quick else MODELS),
+                 "with --quick " if args.quick else "")
+    _check_names(ap, "--model-archs", args.model_archs, list(ARCHS))
+    if "moe" not in args.model_archs:
+        ap.error(f"--model-archs must include moe (every ratio's baseline); got "
+                 f"{','.join(args.model_archs)}")
     return ap, args
 
 
@@ -102,24 +140,33 @@ def main(argv=None) -> int:
         f"{args.reps} reps ({args.model_reps} at the model level), levels {','.join(args.only)}")
     results: dict = {}
     kw = dict(quick=args.quick, device=device, dtype=dtype, use_te=use_te, log=log)
-    layer_kw = dict(shapes=args.shapes, reps=args.reps, reps_explicit=args.reps_explicit)
+    layer_kw = dict(shapes=args.shapes, arms=args.arms, reps=args.reps,
+                    reps_explicit=args.reps_explicit)
+    models = args.models or model.default_models(quick=args.quick, device=device)
+    skipped = [] if args.models or args.quick else [n for n in model.MODELS if n not in models]
+    if skipped and "model" in args.only:
+        log(f"[model] skipping {','.join(skipped)} on {device} (GPU-only by default; "
+            "--models runs it)")
+    model_kw = dict(models=models, archs=args.model_archs)
     init_megatron(expert_parallel_size=1)
     try:
         # Timings first, with the allocator as it is; the CPU memory probe changes how glibc
         # serves allocations (every one >= 64 KiB mmapped), which would slow every step.
         timed_layer = layer.run(**kw, **layer_kw) if "layer" in args.only else None
-        timed_model = model.run(**kw, reps=args.model_reps) if "model" in args.only else None
+        timed_model = (model.run(**kw, **model_kw, reps=args.model_reps)
+                       if "model" in args.only else None)
         if "ep" in args.only:  # spawned processes: a fresh allocator each
             results["ep"] = ep.run(quick=args.quick, device=device, dtype=dtype, use_te=use_te,
                                    reps=args.reps, log=log)
         if device == "cpu":  # a fresh process: see aoe_megatron/bench/fresh.py
             log("memory phase: a fresh process with the CPU peak probe")
             mem = fresh.memory_phase(quick=args.quick, dtype=dtype, shapes=args.shapes,
-                                     layer=timed_layer is not None, model=timed_model is not None,
-                                     threads=torch.get_num_threads())
+                                     arms=args.arms, **model_kw, layer=timed_layer is not None,
+                                     model=timed_model is not None, threads=torch.get_num_threads())
         else:
             mem = {"layer": layer.run(**kw, **layer_kw, phase="memory") if timed_layer else None,
-                   "model": model.run(**kw, reps=1, phase="memory") if timed_model else None}
+                   "model": (model.run(**kw, **model_kw, reps=1, phase="memory")
+                             if timed_model else None)}
         if timed_layer is not None:
             results["layer"] = layer.merge(timed_layer, mem["layer"])
         if timed_model is not None:
@@ -129,7 +176,8 @@ def main(argv=None) -> int:
     results["meta"] = {
         "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.perf_counter() - start, "quick": args.quick, "reps": args.reps,
-        "model_reps": args.model_reps,
+        "model_reps": args.model_reps, "arms": args.arms, "models": models,
+        "model_archs": args.model_archs,
         "device": device, "dtype": dtype_name, "use_te": use_te,
         "machine": report.machine_info(device), "notes": [],
     }
@@ -140,6 +188,9 @@ def main(argv=None) -> int:
         results["meta"]["notes"].append(
             "fewer timed reps at " + ", ".join(f"{n} ({r})" for n, r in capped.items()) +
             " to keep the default run short; --reps N sets every shape.")
+    if skipped and "model" in results:
+        results["meta"]["notes"].append(
+            f"model level: {', '.join(skipped)} left out on {device} (GPU-only by default).")
     if args.quick:
         results["meta"]["notes"].append(
             "--quick: tiny shapes and few reps, to check the tool; the timings mean little and "

@@ -46,7 +46,9 @@ NAIVE_FIELDS = {"lean_cache": False, "expert_backend": "autograd"}
 ARM_FIELDS = {"moe": None, "aoe": {}, "aoe-full-cache": {"lean_cache": False},
               "aoe-padded": {"expert_backend": "padded"},
               "aoe-grouped_mm": {"expert_backend": "grouped_mm"},
-              "aoe-d_wide64": {"d_wide_multiple": 64}, "aoe-naive": NAIVE_FIELDS}
+              "aoe-d_wide64": {"d_wide_multiple": 64},
+              "aoe-d_wide64-nearest": {"d_wide_multiple": 64, "d_wide_round": "nearest"},
+              "aoe-naive": NAIVE_FIELDS}
 
 
 def transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, use_te: bool,
@@ -100,20 +102,48 @@ def train_step(layer, x, g) -> None:
 
 
 def arm_d_wide(shape: LayerShape, arm: str) -> int:
-    """The arm's d_wide: Eq. 5, rounded up to the arm's d_wide_multiple."""
-    multiple = (ARM_FIELDS[arm] or {}).get("d_wide_multiple", 1)
-    return -(-shape.d_wide // multiple) * multiple
+    """The arm's d_wide: Eq. 5, rounded to the arm's d_wide_multiple as its d_wide_round says
+    (the rounding AoEConfig applies; ``layer._build_arms`` checks the built layer against it)."""
+    from aoe_megatron.ops import round_to_multiple
+
+    fields = ARM_FIELDS[arm] or {}
+    return round_to_multiple(shape.d_wide, multiple=fields.get("d_wide_multiple", 1),
+                             mode=fields.get("d_wide_round", "up"))
 
 
-def arms_for(shape: LayerShape, *, device: str, dtype: torch.dtype) -> list[str]:
-    """The arms measured at a shape: grouped_mm only where torch._grouped_mm can run it,
-    d_wide64 only where Eq. 5's d_wide is not a multiple of 64 already."""
+def expert_params(shape: LayerShape, arm: str) -> int:
+    """Parameters of one expert: MoE's SwiGLU 3 D F; AoE's (factorization "gate") W_down^i D R,
+    W_up^i R W, W_p^i and W_o^i 2 D W, at the arm's own d_wide."""
+    d, r = shape.d_model, shape.d_low
+    if ARM_FIELDS[arm] is None:
+        return 3 * d * shape.d_ffn
+    w = arm_d_wide(shape, arm)
+    return d * r + r * w + 2 * d * w
+
+
+def arm_skips(shape: LayerShape, *, device: str, dtype: torch.dtype) -> dict[str, str]:
+    """The arms that do not apply at a shape, each with why: grouped_mm where torch._grouped_mm
+    cannot run it, a rounded d_wide where rounding leaves Eq. 5's d_wide as it is."""
     from aoe_megatron.grouped import grouped_mm_supports
 
+    skips = {}
     widths = (shape.d_model, shape.d_low, shape.d_wide)
-    keep = {"aoe-grouped_mm": grouped_mm_supports(dtype, widths, torch.device(device)),
-            "aoe-d_wide64": arm_d_wide(shape, "aoe-d_wide64") != shape.d_wide}
-    return [a for a in ARM_FIELDS if keep.get(a, True)]
+    if not grouped_mm_supports(dtype, widths, torch.device(device)):
+        skips["aoe-grouped_mm"] = (f"torch._grouped_mm cannot run {dtype} widths {widths} "
+                                   f"on {device}")
+    for arm, fields in ARM_FIELDS.items():
+        multiple = (fields or {}).get("d_wide_multiple")
+        if multiple and arm_d_wide(shape, arm) == shape.d_wide:
+            skips[arm] = f"Eq. 5's d_wide {shape.d_wide} is a multiple of {multiple} already"
+    return skips
+
+
+def arms_for(shape: LayerShape, *, device: str, dtype: torch.dtype,
+             wanted: list[str] | None = None) -> list[str]:
+    """The arms measured at a shape: ``wanted`` (default all, in ARM_FIELDS order) less the ones
+    ``arm_skips`` drops there."""
+    skips = arm_skips(shape, device=device, dtype=dtype)
+    return [a for a in ARM_FIELDS if (wanted is None or a in wanted) and a not in skips]
 
 
 def shape_flops(shape: LayerShape, arms: list[str]) -> dict:

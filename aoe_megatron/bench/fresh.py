@@ -32,9 +32,11 @@ def _worker(job: dict, queue) -> None:
         try:
             out = {}
             if job["layer"]:
-                out["layer"] = layer.run(**kw, shapes=job["shapes"], reps=1, phase="memory")
+                out["layer"] = layer.run(**kw, shapes=job["shapes"], arms=job["arms"], reps=1,
+                                         phase="memory")
             if job["model"]:
-                out["model"] = model.run(**kw, reps=1, phase="memory")
+                out["model"] = model.run(**kw, models=job["models"], archs=job["archs"], reps=1,
+                                         phase="memory")
         finally:
             shutdown()
         queue.put((out, None))
@@ -42,14 +44,18 @@ def _worker(job: dict, queue) -> None:
         queue.put((None, traceback.format_exc()))
 
 
-def memory_phase(*, quick: bool, dtype, shapes, layer: bool, model: bool, threads: int) -> dict:
-    """{"layer": ..., "model": ...} memory results, measured in a spawned process."""
+def memory_phase(*, quick: bool, dtype, shapes, layer: bool, model: bool, threads: int,
+                 arms=None, models=None, archs=("moe", "aoe")) -> dict:
+    """{"layer": ..., "model": ...} memory results, measured in a spawned process (the layer
+    level's ``shapes`` and ``arms``, the model level's ``models`` and ``archs``, as layer.run and
+    model.run take them)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     job = {"quick": quick, "dtype": str(dtype).removeprefix("torch."), "shapes": shapes,
-           "layer": layer, "model": model, "threads": threads}
+           "arms": arms, "models": models, "archs": list(archs), "layer": layer, "model": model,
+           "threads": threads}
     proc = ctx.Process(target=_worker, args=(job, queue))
     proc.start()
     result, error = queue.get()

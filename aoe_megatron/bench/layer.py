@@ -3,16 +3,18 @@
 Arms: ``moe`` (megatron-core's MoELayer, SequentialMLP on CPU, TE grouped GEMM on CUDA with TE),
 ``aoe`` (AoE defaults), ``aoe-full-cache`` (lean_cache off: the [T, E * R] cache kept for the
 norms' backward instead of recomputed), ``aoe-padded`` / ``aoe-grouped_mm`` (the other expert
-backends, where they apply: what "auto" chooses from), ``aoe-d_wide64`` (d_wide rounded up to a
-multiple of 64, where Eq. 5's is not) and ``aoe-naive`` (lean_cache off, the plain per-expert
-autograd experts: the implementation before issue #11); see ``arms.py``. Each step is forward +
+backends, where they apply: what "auto" chooses from), ``aoe-d_wide64`` and
+``aoe-d_wide64-nearest`` (d_wide rounded up / to the nearest multiple of 64, where Eq. 5's is not
+one) and ``aoe-naive`` (lean_cache off, the plain per-expert autograd experts: the implementation
+before issue #11); see ``arms.py``. Each step is forward +
 backward of ``(out * g).sum()`` for a fixed random g (the aux loss reaches the router through
 MoEAuxLossAutoScaler). The arms alternate rep by rep after one warm-up each.
 
 Two phases, so that memory probing never slows the timings: ``phase="time"`` times every shape
 with the allocator as it is; ``phase="memory"`` (run after ``measure.enable_cpu_peak_tracking``)
 takes saved-for-backward bytes and peak memory from one untimed step per arm and recompute
-policy (on CPU in a fresh process: ``fresh.py``). ``merge`` joins the two.
+policy (on CPU in a fresh process: ``fresh.py``). ``merge`` joins the two and adds each arm's
+d_wide and parameters per expert, so a rounded d_wide's time is read beside what it costs.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from dataclasses import asdict
 
 import torch
 
-from aoe_megatron.bench.arms import (ARM_FIELDS, QUICK_SHAPES, SHAPES, LayerShape, arms_for,
-                                     build_aoe, build_moe, shape_flops, train_step,
-                                     transformer_config)
+from aoe_megatron.bench.arms import (ARM_FIELDS, QUICK_SHAPES, SHAPES, LayerShape, arm_d_wide,
+                                     arm_skips, arms_for, build_aoe, build_moe, expert_params,
+                                     shape_flops, train_step, transformer_config)
 from aoe_megatron.bench.measure import SavedTensorBytes, peak_memory, ratio, summarize, timed
 
 # NOTE: the default run's time budget (< 20 min on 2 CPU cores): the 4b shape, ~3x the FLOPs of
@@ -31,6 +33,9 @@ from aoe_megatron.bench.measure import SavedTensorBytes, peak_memory, ratio, sum
 DEFAULT_REPS = {"4b": 3}
 SAVED_BYTES_LIMIT = 1.03  # issue #11: AoE/MoE saved bytes under the same recompute policy
 TIME_SLACK = 0.02  # issue #11: AoE/MoE time <= FLOP ratio + 0.02
+#: arm -> its time target's key in ``ratios["targets"]``
+TIME_TARGETS = {"aoe": "time", "aoe-full-cache": "time_full_cache",
+                "aoe-d_wide64": "time_d_wide64", "aoe-d_wide64-nearest": "time_d_wide64_nearest"}
 
 
 def measure_memory(layer, x, g, device: str) -> dict:
@@ -66,11 +71,16 @@ def _build_arms(shape: LayerShape, arms: list[str], *, device, dtype, use_te):
     tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
     torch.manual_seed(0)
     layers = {"moe": build_moe(tc, device=device, use_te=use_te)}
+    first_at = {}  # d_wide -> the first arm built at it: later arms of that width take its weights
     for arm in arms:
-        if arm != "moe":
-            layers[arm] = build_aoe(tc, shape, device=device, **ARM_FIELDS[arm])
-            if arm not in ("aoe", "aoe-d_wide64"):  # same weights, same routing
-                layers[arm].load_state_dict(layers["aoe"].state_dict())
+        if arm == "moe":
+            continue
+        layers[arm] = build_aoe(tc, shape, device=device, **ARM_FIELDS[arm])
+        _check_width(layers[arm], shape, arm)
+        width = arm_d_wide(shape, arm)
+        if width in first_at:  # same weights, same routing
+            layers[arm].load_state_dict(layers[first_at[width]].state_dict())
+        first_at.setdefault(width, arm)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(shape.tokens, 1, shape.d_model, generator=gen).to(device, dtype)
     x.requires_grad_(True)
@@ -78,10 +88,24 @@ def _build_arms(shape: LayerShape, arms: list[str], *, device, dtype, use_te):
     return layers, x, g
 
 
+def _check_width(layer, shape: LayerShape, arm: str) -> None:
+    """The report's d_wide and parameters per expert come from ``arm_d_wide`` /
+    ``expert_params``: refuse to measure a layer that was built otherwise."""
+    want = (arm_d_wide(shape, arm), shape.num_experts * expert_params(shape, arm))
+    got = (layer.aoe.resolved_d_wide, sum(p.numel() for p in layer.parameters()))
+    if got != want:
+        raise RuntimeError(f"arm {arm}: built with (d_wide, parameters) {got}, the report "
+                           f"would say {want}")
+
+
 def bench_shape(name: str, shape: LayerShape, *, device: str, dtype: torch.dtype, use_te: bool,
-                reps: int, phase: str = "time", log=print) -> dict:
-    """One phase ("time" or "memory") of every arm at one shape."""
-    arms = arms_for(shape, device=device, dtype=dtype)
+                reps: int, phase: str = "time", arms: list[str] | None = None, log=print) -> dict:
+    """One phase ("time" or "memory") of ``arms`` (default all; ``moe`` always) at one shape."""
+    wanted = None if arms is None else ["moe", *arms]
+    for arm, why in arm_skips(shape, device=device, dtype=dtype).items():
+        if wanted is None or arm in wanted:
+            log(f"[layer {name}] {phase}: dropping {arm}: {why}")
+    arms = arms_for(shape, device=device, dtype=dtype, wanted=wanted)
     log(f"[layer {name}] {phase}: building T={shape.tokens} D={shape.d_model} E={shape.num_experts} "
         f"K={shape.top_k} F={shape.d_ffn} R={shape.d_low} W={shape.d_wide}; arms {', '.join(arms)}")
     layers, x, g = _build_arms(shape, arms, device=device, dtype=dtype, use_te=use_te)
@@ -118,21 +142,38 @@ def merge(timed_part: dict, memory_part: dict | None) -> dict:
                 for arm, a in res["arms"].items()}
         shape = LayerShape(**{k: v for k, v in res["shape"].items() if k != "d_wide"})
         flops = shape_flops(shape, list(arms))
-        out[name] = {"shape": res["shape"], "flops": flops, "arms": arms,
+        out[name] = {"shape": res["shape"], "flops": flops,
+                     "experts": expert_sizes(shape, list(arms)), "arms": arms,
                      "recompute": mem["recompute"], "ratios": _ratios(arms, mem["recompute"], flops)}
     return out
 
 
+def expert_sizes(shape: LayerShape, arms: list[str]) -> dict:
+    """Each arm's expert width (AoE: d_wide; MoE: d_ffn) and parameters per expert, also as a
+    ratio to MoE's."""
+    moe = expert_params(shape, "moe")
+    out = {}
+    for arm in arms:
+        is_moe = ARM_FIELDS[arm] is None
+        n = expert_params(shape, arm)
+        out[arm] = {"d_wide": None if is_moe else arm_d_wide(shape, arm),
+                    "d_ffn": shape.d_ffn if is_moe else None, "params": n, "params_vs_moe": n / moe}
+    return out
+
+
 def _recompute_rows(name, shape, base, x, g, *, device, dtype, use_te, log) -> list[dict]:
-    """Saved bytes and peak memory under recompute policies (one untimed step each, cold)."""
+    """Saved bytes and peak memory under recompute policies (one untimed step each, cold), AoE
+    with the weights of the first arm measured at Eq. 5's d_wide (``aoe``, unless --arms left it
+    out)."""
     moe_policy = ["moe"]
     tc_moe = transformer_config(shape, dtype=dtype, device=device, use_te=use_te,
                                 recompute_modules=moe_policy)
     tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
+    ref = next((a for a in base if a != "moe" and arm_d_wide(shape, a) == shape.d_wide), None)
     builds = [("moe", "moe", lambda: build_moe(tc_moe, device=device, use_te=use_te), "moe"),
-              ("moe", "aoe", lambda: build_aoe(tc_moe, shape, device=device), "aoe"),
+              ("moe", "aoe", lambda: build_aoe(tc_moe, shape, device=device), ref),
               ("low_rank", "aoe", lambda: build_aoe(tc, shape, device=device,
-                                                    recompute_low_rank=True), "aoe")]
+                                                    recompute_low_rank=True), ref)]
     if use_te:  # megatron-core's moe_act recompute needs the grouped GEMM (CUDA + TE)
         tc_act = transformer_config(shape, dtype=dtype, device=device, use_te=True,
                                     recompute_modules=["moe_act"])
@@ -141,7 +182,8 @@ def _recompute_rows(name, shape, base, x, g, *, device, dtype, use_te, log) -> l
     for policy, arch, build, weights_from in builds:
         log(f"[layer {name}] recompute {policy}: {arch} saved bytes + peak memory")
         layer = build()
-        layer.load_state_dict(base[weights_from].state_dict())
+        if weights_from is not None:
+            layer.load_state_dict(base[weights_from].state_dict())
         rows.append({"policy": policy, "arch": arch, **measure_memory(layer, x, g, device)})
         del layer
     return rows
@@ -173,9 +215,9 @@ def _ratios(arms: dict, recompute: list[dict], flops: dict) -> dict:
         out["saved_bytes_low_rank_vs_moe_act"] = ratio(by[("low_rank", "aoe")], by[("moe_act", "moe")])
     out["targets"] = {
         **{key: verdict(out[arm]["time"], out[arm]["flops"] + TIME_SLACK)
-           for key, arm in (("time", "aoe"), ("time_full_cache", "aoe-full-cache"),
-                            ("time_d_wide64", "aoe-d_wide64")) if arm in out},
-        "saved_bytes_none": verdict(out["aoe"]["saved_bytes"], SAVED_BYTES_LIMIT),
+           for arm, key in TIME_TARGETS.items() if arm in out},
+        "saved_bytes_none": verdict(out["aoe"]["saved_bytes"] if "aoe" in out else None,
+                                    SAVED_BYTES_LIMIT),
         "saved_bytes_recompute_moe": verdict(rc, SAVED_BYTES_LIMIT),
     }
     return out
@@ -187,10 +229,11 @@ def reps_for(name: str, reps: int, *, explicit: bool) -> int:
 
 
 def run(*, quick: bool, shapes: list[str] | None, device: str, dtype: torch.dtype, use_te: bool,
-        reps: int, reps_explicit: bool = True, phase: str = "time", log=print) -> dict:
+        reps: int, reps_explicit: bool = True, phase: str = "time", arms: list[str] | None = None,
+        log=print) -> dict:
     table = QUICK_SHAPES if quick else SHAPES
     names = shapes or list(table)
     return {name: bench_shape(name, table[name], device=device, dtype=dtype, use_te=use_te,
                               reps=reps_for(name, reps, explicit=reps_explicit), phase=phase,
-                              log=log)
+                              arms=arms, log=log)
             for name in names}

@@ -3,6 +3,10 @@
 Reports tokens/s, peak memory and model FLOPs utilisation: the analytic model FLOPs of a step
 (``flops.model_step_flops``) divided by the step time and by the best FLOP/s of a bare matmul
 measured in the same run at the same dtype (``measure.gemm_peak_flops``).
+
+Archs (``ARCHS``): ``moe`` (megatron-core's MoE layers, the baseline every ratio is against),
+``aoe`` (AoE defaults: expert_backend "auto"), ``aoe-loop`` / ``aoe-grouped_mm`` (AoE with that
+expert backend, to see what "auto" chose against the other on a GPU).
 """
 
 from __future__ import annotations
@@ -12,25 +16,49 @@ import torch
 from aoe_megatron.bench import flops as fl
 from aoe_megatron.bench.measure import gemm_peak_flops, peak_memory, ratio, summarize, timed
 
-ARCHS = ("moe", "aoe")
+#: name -> (ModelConfig arch, model overrides in load_preset's nested form)
+ARCHS = {"moe": ("moe", {}), "aoe": ("aoe", {}),
+         "aoe-loop": ("aoe", {"aoe": {"expert_backend": "loop"}}),
+         "aoe-grouped_mm": ("aoe", {"aoe": {"expert_backend": "grouped_mm"}})}
+DEFAULT_ARCHS = ("moe", "aoe")
 # name -> (preset, overrides, micro batch). NOTE: the 732M preset shrunk to 2 layers and 1024
 # tokens a step, so that a step takes seconds on a 2-core CPU (the 32k-vocabulary output layer is
-# then a third of the FLOPs).
+# then a third of the FLOPs); 732m-4l, at the preset's own 2048 tokens and micro-batch 4, is for
+# GPUs (a step takes minutes on 2 CPU cores).
 MODELS = {
     "tiny": ("tiny", {}, 4),
     "732m-2l": ("732m", {"num_layers": 2, "seq_length": 1024}, 1),
+    "732m-4l": ("732m", {"num_layers": 4}, 4),
 }
 QUICK_MODELS = {"tiny": ("tiny", {}, 2)}
+#: entries the default run leaves out on CPU (run them by naming them: --models)
+GPU_ONLY_MODELS = ("732m-4l",)
+
+
+def default_models(*, quick: bool, device: str) -> list[str]:
+    """Every entry of the table (QUICK_MODELS with --quick), on CPU less GPU_ONLY_MODELS."""
+    if quick:
+        return list(QUICK_MODELS)
+    return [n for n in MODELS if device != "cpu" or n not in GPU_ONLY_MODELS]
+
+
+def _overrides(model: dict, arch: dict) -> dict:
+    """The model entry's overrides with the arch's on top, nested sections ("aoe") merged."""
+    out = dict(model)
+    for key, value in arch.items():
+        out[key] = {**out[key], **value} if isinstance(out.get(key), dict) else value
+    return out
 
 
 def _build(preset: str, overrides: dict, arch: str, *, device: str, dtype: torch.dtype,
            use_te: bool):
     from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
 
-    cfg = load_preset(preset, arch=arch, **overrides)
+    base_arch, arch_overrides = ARCHS[arch]
+    cfg = load_preset(preset, arch=base_arch, **_overrides(overrides, arch_overrides))
     extra = {"use_cpu_initialization": device == "cpu", "params_dtype": dtype,
              "bf16": dtype == torch.bfloat16}
-    if use_te and arch == "moe":
+    if use_te and base_arch == "moe":
         extra["moe_grouped_gemm"] = True  # megatron-core's TE spec uses TEGroupedMLP
     tc = transformer_config(cfg, **extra)
     torch.manual_seed(0)
@@ -64,11 +92,12 @@ def matmul_params(cfg) -> int:
 
 
 def bench_model(name: str, preset: str, overrides: dict, micro_batch: int, *, device: str,
-                dtype: torch.dtype, use_te: bool, reps: int, phase: str = "time", log=print) -> dict:
-    """One phase of a model: "time" (alternating timed steps) or "memory" (one untimed step's
-    peak, run after ``measure.enable_cpu_peak_tracking``)."""
+                dtype: torch.dtype, use_te: bool, reps: int, archs=DEFAULT_ARCHS,
+                phase: str = "time", log=print) -> dict:
+    """One phase of a model for each of ``archs``: "time" (alternating timed steps) or "memory"
+    (one untimed step's peak, run after ``measure.enable_cpu_peak_tracking``)."""
     runs, cfgs = {}, {}
-    for arch in ARCHS:
+    for arch in archs:
         log(f"[model {name}] {phase}: building {arch}")
         cfg, model = _build(preset, overrides, arch, device=device, dtype=dtype, use_te=use_te)
         seq = cfg.seq_length
@@ -83,20 +112,20 @@ def bench_model(name: str, preset: str, overrides: dict, micro_batch: int, *, de
             runs[arch]()
             runs[arch] = peak_memory(runs[arch], device)
     if phase == "memory":
-        return {"archs": {arch: {"peak_bytes": runs[arch]} for arch in ARCHS}}
-    for arch in ARCHS:
+        return {"archs": {arch: {"peak_bytes": runs[arch]} for arch in archs}}
+    for arch in archs:
         log(f"[model {name}] {arch} warm-up (allocates the AdamW state)")
         runs[arch]()
-    wall = {arch: [] for arch in ARCHS}
-    cpu = {arch: [] for arch in ARCHS}
+    wall = {arch: [] for arch in archs}
+    cpu = {arch: [] for arch in archs}
     for i in range(reps):
-        for arch in ARCHS:
+        for arch in archs:
             w, c = timed(runs[arch], device)
             wall[arch].append(w)
             cpu[arch].append(c)
             log(f"[model {name}] {arch} rep {i + 1}/{reps}: {w:.3f} s wall, {c:.3f} s CPU")
     out = {}
-    for arch in ARCHS:
+    for arch in archs:
         cfg = cfgs[arch]
         tokens = micro_batch * cfg.seq_length
         n = matmul_params(cfg)
@@ -104,14 +133,14 @@ def bench_model(name: str, preset: str, overrides: dict, micro_batch: int, *, de
                                          d_model=cfg.hidden_size, seq_length=cfg.seq_length)
         out[arch] = {"time_s": summarize(wall[arch]), "cpu_s": summarize(cpu[arch]),
                      "tokens_per_step": tokens, "matmul_params": n,
-                     "model_flops_per_step": step_flops}
+                     "model_flops_per_step": step_flops, "arch_overrides": ARCHS[arch][1]}
     return {"preset": preset, "overrides": overrides, "micro_batch": micro_batch,
-            "seq_length": cfgs["aoe"].seq_length, "num_layers": cfgs["aoe"].num_layers,
+            "seq_length": cfgs["moe"].seq_length, "num_layers": cfgs["moe"].num_layers,
             "archs": out}
 
 
 def merge(timed_part: dict, memory_part: dict | None) -> dict:
-    """Join the phases: tokens/s, MFU against the measured matmul peak, ratios."""
+    """Join the phases: tokens/s, MFU against the measured matmul peak, ratios to moe."""
     peak = timed_part["peak_flops"]
     models = {}
     for name, res in timed_part["models"].items():
@@ -122,20 +151,27 @@ def merge(timed_part: dict, memory_part: dict | None) -> dict:
             archs[arch] = {**a, "peak_bytes": mem["archs"].get(arch, {}).get("peak_bytes"),
                            "tokens_per_s": a["tokens_per_step"] / median,
                            "mfu": a["model_flops_per_step"] / median / peak}
-        aoe, moe = archs["aoe"], archs["moe"]
-        models[name] = {**res, "archs": archs, "ratios": {
-            "time": ratio(aoe["time_s"]["median"], moe["time_s"]["median"]),
-            "peak": ratio(aoe["peak_bytes"], moe["peak_bytes"]) if moe["peak_bytes"] else None,
-            "flops": ratio(aoe["model_flops_per_step"], moe["model_flops_per_step"])}}
+        moe = archs["moe"]
+        models[name] = {**res, "archs": archs, "ratios": {arch: {
+            "time": ratio(a["time_s"]["median"], moe["time_s"]["median"]),
+            "peak": ratio(a["peak_bytes"], moe["peak_bytes"]) if moe["peak_bytes"] else None,
+            "flops": ratio(a["model_flops_per_step"], moe["model_flops_per_step"])}
+            for arch, a in archs.items() if arch != "moe"}}
     return {"peak_flops": peak, "models": models}
 
 
 def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int,
-        phase: str = "time", log=print) -> dict:
+        models: list[str] | None = None, archs=DEFAULT_ARCHS, phase: str = "time",
+        log=print) -> dict:
+    """``models`` (default: ``default_models``) of the table (QUICK_MODELS with --quick), each
+    with ``archs`` (``moe`` among them: the ratios' baseline)."""
+    if "moe" not in archs:
+        raise ValueError(f"the model level needs arch 'moe' (every ratio's baseline), got {archs}")
     table = QUICK_MODELS if quick else MODELS
-    results = {name: bench_model(name, preset, overrides, mb, device=device, dtype=dtype,
-                                 use_te=use_te, reps=reps, phase=phase, log=log)
-               for name, (preset, overrides, mb) in table.items()}
+    names = models or default_models(quick=quick, device=device)
+    results = {name: bench_model(name, *table[name], device=device, dtype=dtype, use_te=use_te,
+                                 reps=reps, archs=archs, phase=phase, log=log)
+               for name in names}
     if phase == "memory":
         return results
     n = 512 if quick else 2048

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from aoe_megatron.bench.layer import TIME_TARGETS
+
 MIB = 2 ** 20
 
 
@@ -60,15 +62,22 @@ def layer_tables(layer: dict) -> list[str]:
            "Time in ms: median (min-max) over the timed reps, arms alternating. Saved: bytes autograd "
            "keeps for backward (parameters excluded). Peak: memory the step adds above the "
            "parameters, the gradients it produces included (they start as None, as DeepSpeed ZeRO "
-           "frees them once reduced). GFLOP: model (hardware, with recompute) for fwd + bwd.", "",
-           "| shape | arm | wall ms | CPU ms | saved MiB | peak MiB | GFLOP model (hw) |",
-           "|---|---|---|---|---|---|---|"]
+           "frees them once reduced). GFLOP: model (hardware, with recompute) for fwd + bwd. "
+           "d_wide: the AoE arm's expert width (Eq. 5, or rounded to a multiple as the arm says; "
+           "`moe`: its d_ffn). Params/expert: D R + R d_wide + 2 D d_wide for AoE (W_down, W_up, "
+           "W_p, W_o), 3 D d_ffn for `moe`; vs moe: their ratio.", "",
+           "| shape | arm | wall ms | CPU ms | saved MiB | peak MiB | GFLOP model (hw) | d_wide | "
+           "params/expert | vs moe |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name, res in layer.items():
         for arm, a in res["arms"].items():
             model, hw = res["flops"]["model"][arm], res["flops"]["hardware"][arm]
+            e = res["experts"][arm]
+            width = e["d_wide"] if e["d_wide"] is not None else f'(d_ffn {e["d_ffn"]})'
             out.append(f'| {name} | {arm} | {_ms(a["time_s"])} | {_ms(a["cpu_s"])} | '
                        f'{_mib(a["saved_bytes"])} | {_mib(a["peak_bytes"])} | '
-                       f'{model / 1e9:.1f} ({hw / 1e9:.1f}) |')
+                       f'{model / 1e9:.1f} ({hw / 1e9:.1f}) | {width} | {e["params"]:,} | '
+                       f'{e["params_vs_moe"]:.4f} |')
     out += ["", "Ratios against `moe` (medians) and the issue #11 targets: time <= FLOP ratio + 0.02 "
             "(the arm's model FLOPs), saved bytes <= 1.03 under the same recompute policy.", "",
             "| shape | arm | FLOP ratio model (hw) | time | CPU time | saved | peak | target time | target saved |",
@@ -76,9 +85,8 @@ def layer_tables(layer: dict) -> list[str]:
     for name, res in layer.items():
         r = res["ratios"]
         t = r["targets"]
-        targets = {"aoe": (t["time"], t["saved_bytes_none"]),
-                   "aoe-full-cache": (t["time_full_cache"], ""),
-                   "aoe-d_wide64": (t.get("time_d_wide64", ""), "")}
+        targets = {arm: (t.get(key, ""), t["saved_bytes_none"] if arm == "aoe" else "")
+                   for arm, key in TIME_TARGETS.items()}
         for arm in res["arms"]:
             if arm == "moe":
                 continue
@@ -116,9 +124,9 @@ def model_tables(model: dict) -> list[str]:
         for arch, a in res["archs"].items():
             out.append(f'| {name} | {arch} | {dims} | {_ms(a["time_s"])} | {a["tokens_per_s"]:.0f} | '
                        f'{_mib(a["peak_bytes"])} | {a["mfu"] * 100:.1f}% |')
-        r = res["ratios"]
-        out.append(f'| {name} | aoe/moe | | time {_x(r["time"])} | FLOPs {_x(r["flops"])} | '
-                   f'peak {_x(r["peak"])} | |')
+        for arch, r in res["ratios"].items():
+            out.append(f'| {name} | {arch}/moe | | time {_x(r["time"])} | FLOPs {_x(r["flops"])} | '
+                       f'peak {_x(r["peak"])} | |')
     return out
 
 
