@@ -87,13 +87,14 @@ def _small_corpus(tmp_path) -> Path:
 
 
 def _template_env(cluster, tmp_path, data, *, steps: int, extra: str) -> dict:
-    """The template's settings: two nodes x one process, tiny preset, EP=2."""
+    """The template's settings: two nodes x one process, tiny preset, EP=2; DEVICE=cpu, as the
+    local cluster has no GPUs (the one CPU per node Slurm gives the job covers the one process)."""
     from aoe_megatron.distributed import free_port
 
-    return {**cluster, "NODES": "2", "GPUS_PER_NODE": "1", "PRESET": "tiny", "DATA": str(data),
-            "EP": "2", "ZERO": "1", "TRAIN_STEPS": str(steps), "RUN_DIR": str(tmp_path / "run"),
-            "CKPT_DIR": str(tmp_path / "ckpt"), "MASTER_PORT": str(free_port()),
-            "VENV": sys.prefix, "EXTRA_ARGS": extra}
+    return {**cluster, "NODES": "2", "GPUS_PER_NODE": "1", "DEVICE": "cpu", "PRESET": "tiny",
+            "DATA": str(data), "EP": "2", "ZERO": "1", "TRAIN_STEPS": str(steps),
+            "RUN_DIR": str(tmp_path / "run"), "CKPT_DIR": str(tmp_path / "ckpt"),
+            "MASTER_PORT": str(free_port()), "VENV": sys.prefix, "EXTRA_ARGS": extra}
 
 
 def _sbatch(env, log: Path, *options: str) -> str:

@@ -1,0 +1,83 @@
+"""run/slurm/pretrain.sbatch's start-up checks, without Slurm: the template runs under plain bash
+with a fake `srun` that records how it was called. A job without the GPUs it asks for refuses to
+start (rather than train on CPU), DEVICE=cpu is a CPU run with the GPUs hidden, and the one task
+per node gets the job's CPUs, or the job refuses when it holds fewer CPUs than processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV_MARK = "[srun env] CUDA_VISIBLE_DEVICES="
+
+
+def _run_template(tmp_path, **settings: str) -> tuple[subprocess.CompletedProcess, list]:
+    """Run the template with two processes per node; ``settings`` override the environment.
+    Returns the finished process and one list per srun call: its arguments, then its
+    CUDA_VISIBLE_DEVICES ("<unset>" when not set)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "srun.log"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text(f"""#!/bin/sh
+printf '%s\\n' "$@" >> '{log}'
+echo "{ENV_MARK}${{CUDA_VISIBLE_DEVICES-<unset>}}" >> '{log}'
+""")
+    srun.chmod(0o755)
+    env = {  # not os.environ: no SLURM_*, DEVICE or CUDA_VISIBLE_DEVICES from outside
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path),
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "NODES": "1", "GPUS_PER_NODE": "2",
+        "VENV": sys.prefix, "SLURM_CPUS_ON_NODE": "4", "RUN_DIR": str(tmp_path / "run"),
+        "CKPT_DIR": str(tmp_path / "ckpt"), "REQUEUE": "0", "PRESET": "tiny", **settings}
+    proc = subprocess.run(["bash", "run/slurm/pretrain.sbatch"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    calls, current = [], []
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        if line.startswith(ENV_MARK):
+            calls.append(current + [line[len(ENV_MARK):]])
+            current = []
+        else:
+            current.append(line)
+    return proc, calls
+
+
+def test_cuda_mode_without_gpus_refuses_to_start(tmp_path):
+    # What Slurm sets for a job that asked for no GPUs: none visible (as with this CPU torch).
+    proc, calls = _run_template(tmp_path, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "sees 0 GPU(s)" in proc.stderr and "GPUS_PER_NODE=2" in proc.stderr, proc.stderr
+    assert "--gpus-per-node=2" in proc.stderr and "DEVICE=cpu" in proc.stderr, proc.stderr
+    assert calls == [], "srun ran although the job has no GPUs"
+
+
+def test_cpu_mode_hides_gpus_and_gives_the_task_the_nodes_cpus(tmp_path):
+    proc, calls = _run_template(tmp_path, DEVICE="cpu", SLURM_CPUS_ON_NODE="6",
+                                CUDA_VISIBLE_DEVICES="0,1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(calls) == 1, calls
+    args, visible = calls[0][:-1], calls[0][-1]
+    assert "--cpus-per-task=6" in args, args
+    nproc = args.index("--nproc_per_node")
+    assert args[nproc + 1] == "2", args
+    assert visible == "", "srun's environment still shows GPUs"
+    # slurmstepd may overwrite the exported value on GPU nodes: the launcher empties it too.
+    python = args.index(f"{sys.prefix}/bin/python")
+    assert args[python - 2:python] == ["env", "CUDA_VISIBLE_DEVICES="], args
+    assert "on 1 node(s) x 2 (cpu" in proc.stdout and "6 CPUs per node" in proc.stdout, proc.stdout
+
+
+def test_fewer_cpus_than_processes_refuses_to_start(tmp_path):
+    proc, calls = _run_template(tmp_path, DEVICE="cpu", SLURM_CPUS_ON_NODE="1")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "1 CPU(s)" in proc.stderr and "GPUS_PER_NODE=2" in proc.stderr, proc.stderr
+    assert "--cpus-per-task" in proc.stderr and "--exclusive" in proc.stderr, proc.stderr
+    assert calls == [], "srun ran with fewer CPUs than processes"
+
+
+def test_unknown_device_refuses_to_start(tmp_path):
+    proc, calls = _run_template(tmp_path, DEVICE="bogus")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "DEVICE=bogus" in proc.stderr, proc.stderr
+    assert calls == []
