@@ -11,7 +11,7 @@ STUDY ?= default
 STUDY_ARGS ?=
 
 
-.PHONY: help setup assets system-deps test demo smoke params preprocess study-data study bench bench-preprocess lint clean
+.PHONY: help setup assets system-deps test demo smoke params preprocess study-data study bench bench-preprocess gpu-wheels gpu-check lint clean
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
@@ -23,6 +23,8 @@ help:
 	@echo "make study   - the evidence study: AoE vs MoE vs the review's controls, 3 seeds, into studies/ (STUDY_ARGS=--quick: minutes)"
 	@echo "make bench   - AoE vs megatron-core MoE: time, memory, FLOPs into bench/ (BENCH_ARGS=--quick: seconds)"
 	@echo "make bench-preprocess - preprocessing speed against the tokenizer's own (50 MB)"
+	@echo "make gpu-check  - the one-shot GPU check (tools/gpu_check.sh; GPU_CHECK_ARGS=--cpu: its CPU form)"
+	@echo "make gpu-wheels - wheels in .whl/ for a GPU machine without megatron-core/DeepSpeed (Python 3.12)"
 	@echo "make setup   - $(VENV) with the pinned dependencies, plus the offline assets"
 	@echo "make lint    - byte-compile every module (no network needed)"
 
@@ -102,9 +104,20 @@ study: setup study-data
 	$(PY) tools/study.py $(STUDY) $(STUDY_ARGS)
 
 # AoE vs megatron-core's MoE layer (issue #11): bench/results.json and bench/README.md.
-# On one GPU: tools/bench_gpu.sh.
+# On one GPU: make gpu-check.
 bench: setup
 	$(PY) tools/bench.py $(BENCH_ARGS)
+
+# The one-shot GPU check (issue #19): gpu-marked tests, a bf16 run that saves and resumes, AoE vs
+# MoE tokens/s, a cut-down layer bench; results in $$OUT or bench/gpu_check/.
+GPU_CHECK_ARGS ?=
+gpu-check: setup
+	tools/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# For a GPU machine that has CUDA torch for Python 3.12 but no megatron-core or DeepSpeed (the
+# lent H200): their wheels, DeepSpeed's built from its sdist, and ours, into .whl/ (git-ignored).
+gpu-wheels: setup
+	PY=$(PY) tools/gpu_wheels.sh
 
 bench-preprocess: setup
 	$(PY) tools/bench_preprocess.py

@@ -1,0 +1,65 @@
+"""tools/gpu_check.sh, the one-shot GPU check, in its CPU form: every step runs at tiny shapes and
+writes the same results file a GPU run writes, the CUDA-only step skipped with its reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["environment", "gpu-tests", "train-resume", "model", "layer"]
+
+
+def _check(tmp_path, *flags, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    env.pop("OUT", None)
+    return subprocess.run(["bash", "tools/gpu_check.sh", *flags, "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_cpu_form_runs_every_step_and_writes_the_results(tmp_path):
+    done = _check(tmp_path, "--cpu")
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = {s["name"]: s for s in results["steps"]}
+    assert [s["name"] for s in results["steps"]] == STEPS
+    assert results["mode"] == "cpu" and results["ok"] is True
+    assert steps["environment"]["figures"]["device"] == "cpu"
+    assert steps["environment"]["figures"]["fused_softmax"] is False
+
+    gpu_tests = steps["gpu-tests"]
+    assert gpu_tests["status"] == "skipped" and gpu_tests["reason"].startswith("CUDA-only")
+    assert gpu_tests["figures"]["skipped"] >= 4
+
+    train = steps["train-resume"]
+    assert train["status"] == "ok", train
+    assert train["figures"]["world_size"] == 1
+    assert train["figures"]["max_resume_loss_diff"] <= 1e-5
+    assert 9 < train["figures"]["final_loss"] < 11  # ln(32000) = 10.4 at the start
+
+    model = steps["model"]
+    assert model["status"] == "ok", model
+    assert set(model["figures"]) == {"tiny/moe", "tiny/aoe", "tiny/aoe-loop"}
+    assert all(f["tokens_per_s"] > 0 for f in model["figures"].values())
+    assert model["figures"]["tiny/moe"]["tokens_per_s_vs_moe"] == 1.0
+    assert (tmp_path / "model" / "results.json").is_file()
+
+    layer = steps["layer"]
+    assert layer["status"] == "ok", layer
+    assert {"tiny8/aoe", "tiny64/aoe"} <= set(layer["figures"])
+    assert all(f["time_vs_moe"] > 0 for f in layer["figures"].values())
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "resumed from" in log and "== layer: ok" in log
+
+
+def test_gpu_form_without_cuda_stops_at_the_environment_step(tmp_path):
+    done = _check(tmp_path, timeout=120)
+    assert done.returncode == 1
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["ok"] is False and [s["name"] for s in results["steps"]] == ["environment"]
+    assert "torch sees no CUDA device" in results["steps"][0]["reason"]
