@@ -40,6 +40,16 @@ GPU_TEST_FILES = ("tests/test_gpu_paths.py", "tests/test_grouped_experts.py")
 RESUME_TOLERANCE = {"cuda": 2e-2, "cpu": 1e-5}
 
 
+#: What a launcher (torchrun, srun, a test's process group) sets: every step is a job of its own.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _own_job_env() -> dict:
+    """This environment less the launcher's variables: a step started from inside a launched job
+    would otherwise join its rendezvous (or find its port taken)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+
+
 class Check:
     """Runs the steps, writes the results file after each, and the log as it goes."""
 
@@ -63,7 +73,7 @@ class Check:
         start = self.log.tell()
         try:
             code = subprocess.run(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                  timeout=timeout, env={**os.environ, **(env or {})}).returncode
+                                  timeout=timeout, env={**_own_job_env(), **(env or {})}).returncode
             problem = f"exit {code}" if code else None
         except subprocess.TimeoutExpired:
             problem = f"timed out after {timeout:.0f} s"
