@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from aoe_megatron.distributed import reduce_across_ranks
 from aoe_megatron.train.config import (
     TrainConfig,
     parse_train_args,
@@ -41,8 +42,6 @@ class _StopFlag:
         self.raised = True
 
     def agreed(self) -> bool:
-        from aoe_megatron.distributed import reduce_across_ranks
-
         return bool(reduce_across_ranks(torch.tensor(float(self.raised)), op="max").item())
 
 
@@ -81,7 +80,7 @@ def train(cfg: TrainConfig) -> dict:
         clear_aux_losses_tracker,
     )
 
-    from aoe_megatron.distributed import bound_collective_waits, init_megatron, reduce_across_ranks
+    from aoe_megatron.distributed import bound_collective_waits, init_megatron
     from aoe_megatron.model import build_gpt_model, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train import datacheck
