@@ -70,3 +70,24 @@ def test_gpu_form_without_cuda_stops_at_the_environment_step(tmp_path):
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert results["ok"] is False and [s["name"] for s in results["steps"]] == ["environment"]
     assert "torch sees no CUDA device" in results["steps"][0]["reason"]
+
+
+def _gpu_check_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pytest_summary_found_above_a_shutdown_warning():
+    """The first H200 run (2026-12-04): 4 gpu-marked tests passed, then NCCL's shutdown warning
+    came last, and the check took the warning for the summary and failed the step."""
+    gpu_check = _gpu_check_module()
+    output = ("....    [100%]\n-- Docs: https://docs.pytest.org/\n"
+              "4 passed, 104 deselected, 1 warning in 18.37s\n"
+              "[rank0]:[W1204 17:13:54.036369626 ProcessGroupNCCL.cpp:1575] Warning: WARNING: "
+              "destroy_process_group() was not called before program exit\n")
+    assert gpu_check._pytest_summary(output) == "4 passed, 104 deselected, 1 warning in 18.37s"
+    with pytest.raises(RuntimeError, match="no summary"):
+        gpu_check._pytest_summary("Traceback (most recent call last):\nImportError: x\n")

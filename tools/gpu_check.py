@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -129,12 +130,21 @@ def environment(check: Check) -> dict:
     return {"figures": figures}
 
 
+def _pytest_summary(output: str) -> str:
+    """pytest's closing count line ("4 passed, 104 deselected in 18.37s"); not simply the last
+    line: a process group's shutdown warning can follow it (the first GPU run's did)."""
+    for line in reversed(output.strip().splitlines()):
+        if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)\b.* in [\d.]+s", line):
+            return line.strip("= ")
+    raise RuntimeError(f"pytest printed no summary: {output.strip().splitlines()[-1:]}")
+
+
 def gpu_tests(check: Check) -> dict:
     output = check.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", *GPU_TEST_FILES],
                        timeout=240)
-    summary = output.strip().splitlines()[-1]
-    counts = {k: int(n) for n, k in (p.split()[:2] for p in summary.split(" in ")[0].split(", ")
-                                     if p.split()[0].isdigit())}
+    summary = _pytest_summary(output)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?)",
+                                               summary)}
     if check.mode == "cpu":
         return {"status": "skipped", "figures": counts,
                 "reason": f"CUDA-only: {counts.get('skipped', 0)} gpu-marked tests skip on the CPU"}
