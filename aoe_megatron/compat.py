@@ -1,7 +1,8 @@
 """Run-time detection of optional GPU components: CUDA, TransformerEngine, NVIDIA apex.
 
-None is required: each is used when present. NVIDIA apex is not on PyPI (the PyPI package named
-``apex`` is unrelated): it counts only when it has NVIDIA's fused kernels.
+None is required: each is used when present and working. TransformerEngine counts only when it
+imports and runs on the GPU (``transformer_engine_usable``); NVIDIA apex is not on PyPI (the PyPI
+package named ``apex`` is unrelated): it counts only when it has NVIDIA's fused kernels.
 """
 
 from __future__ import annotations
@@ -26,7 +27,66 @@ def have_nvidia_apex() -> bool:
 
 
 def have_transformer_engine() -> bool:
+    """TransformerEngine is installed (found, not imported): says nothing of whether it loads; the
+    specs use it only when ``transformer_engine_usable``."""
     return importlib.util.find_spec("transformer_engine") is not None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def probe_transformer_engine(device: str = "cuda") -> str | None:
+    """None when TE is usable on ``device``, else why not (one line).
+
+    Usable: ``transformer_engine.pytorch`` imports, megatron-core's TE spec saw it at import (with
+    the GroupedLinear its grouped experts need) and a TE RMSNorm forward runs on ``device``.
+    NOTE: a broken install (a missing CUDA library, kernels built for another GPU) is still found
+    by ``find_spec``, and fails only here, at import or at the first kernel.
+    """
+    try:
+        import transformer_engine.pytorch as te
+    except Exception as exc:  # noqa: BLE001: any failure to load means "do not use it"
+        return f"import transformer_engine.pytorch failed ({_one_line(exc)})"
+    try:
+        from megatron.core.extensions import transformer_engine as mcore_te
+        from megatron.core.models.gpt import gpt_layer_specs
+    except Exception as exc:  # noqa: BLE001
+        return f"megatron-core's TransformerEngine wrappers do not import ({_one_line(exc)})"
+    if not (gpt_layer_specs.HAVE_TE and mcore_te.HAVE_TE):
+        return "megatron-core could not import TransformerEngine when it loaded its TE spec"
+    if mcore_te.TEColumnParallelGroupedLinear is None:
+        return "this TransformerEngine has no GroupedLinear (megatron-core needs TE >= 1.9 for grouped experts)"
+    try:
+        out = te.RMSNorm(8, device=device)(torch.ones(4, 8, device=device))
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if not bool(torch.isfinite(out).all()):
+            return f"a TransformerEngine RMSNorm on {device} gave non-finite values"
+    except Exception as exc:  # noqa: BLE001
+        return f"a TransformerEngine RMSNorm on {device} failed ({_one_line(exc)})"
+    return None
+
+
+@functools.cache
+def transformer_engine_status() -> tuple[bool, str]:
+    """(usable, why): TE imports and runs on this process's CUDA device; probed once (no CUDA:
+    False without importing TE). A failure is logged once, as one line."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    if not have_transformer_engine():
+        return False, "TransformerEngine is not installed"
+    reason = probe_transformer_engine(f"cuda:{torch.cuda.current_device()}")
+    if reason is not None:
+        logging.getLogger(__name__).warning("TransformerEngine not used: %s", reason)
+        return False, reason
+    return True, "TransformerEngine loads and runs"
+
+
+def transformer_engine_usable() -> bool:
+    """Whether the specs use TE (``transformer_engine_status``)."""
+    return transformer_engine_status()[0]
 
 
 #: The compiled softmax kernels megatron-core's ``FusedScaleMaskSoftmax`` imports (apex builds
@@ -60,7 +120,8 @@ def runtime_summary() -> str:
         device = f"cuda ({torch.cuda.get_device_name()}), NCCL"
     else:
         device = "cpu, gloo"
-    te = "yes" if have_transformer_engine() and torch.cuda.is_available() else "no"
+    usable, why = transformer_engine_status()
+    te = "yes" if usable else f"no ({why})"
     apex = "yes" if have_nvidia_apex() and torch.cuda.is_available() else "no"
     return f"device: {device}; TransformerEngine: {te}; NVIDIA apex: {apex}"
 
@@ -83,7 +144,8 @@ class _DropExactly(logging.Filter):
 
 def fallback_note() -> str | None:
     """One line saying which optional kernels are missing and what that costs (None: none is)."""
-    missing = [name for name, ok in (("TransformerEngine", have_transformer_engine()),
+    te_ok = transformer_engine_usable() if torch.cuda.is_available() else have_transformer_engine()
+    missing = [name for name, ok in (("TransformerEngine", te_ok),
                                      ("NVIDIA apex", have_nvidia_apex())) if not ok]
     if not missing:
         return None

@@ -62,6 +62,19 @@ def reduce_across_ranks(tensor: torch.Tensor, *, op: str = "sum", group=None) ->
     return out
 
 
+def broadcast_from(tensor, *, src: int, shape, dtype: torch.dtype, group=None) -> torch.Tensor:
+    """Global rank ``src``'s ``tensor`` on every rank of ``group`` (the others pass None), as a
+    tensor of ``shape`` and ``dtype`` on the group's communication device."""
+    device = comm_device(group)
+    if dist.get_rank() == src:
+        out = tensor.detach().to(device=device, dtype=dtype)
+    else:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    if dist.get_world_size(group) > 1:
+        dist.broadcast(out, src=src, group=group)
+    return out
+
+
 def local_device_index(rank: int = 0) -> int:
     """The CUDA device this process drives: ``LOCAL_RANK`` (else ``rank``) modulo the devices it
     sees, written back to ``LOCAL_RANK``.

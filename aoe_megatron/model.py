@@ -225,6 +225,10 @@ def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **ext
         moe_aux_loss_coeff=cfg.alpha_aux,
         moe_router_load_balancing_type="aux_loss" if cfg.alpha_aux > 0 else "none",
         moe_token_dispatcher_type=cfg.dispatcher,
+        # The stock router's logits, softmax and top-k in fp32 under bf16 too, as AoE's norms are:
+        # a baseline as precise as the model it is compared with (megatron-core's default is the
+        # activations' dtype).
+        moe_router_dtype="fp32",
         expert_model_parallel_size=expert_parallel_size,
         normalization="RMSNorm",
         gated_linear_unit=True,

@@ -1,21 +1,25 @@
 """GPTModel layer specs: Llama-style (RMSNorm, RoPE, SwiGLU, no biases) with AoE or stock MoE.
 
 The stock spec is megatron-core's own MoE layer: the paper's "traditional MoE" baseline.
-TransformerEngine's fused attention and norms are used when TE and CUDA are both present.
+TransformerEngine's fused attention and norms are used when TE loads and runs on CUDA
+(``compat.transformer_engine_usable``). Both specs save one checkpoint layout and start their
+experts per global expert, so a run's checkpoints and initial weights do not depend on TE.
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 from megatron.core import utils as mcore_utils
-from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from aoe_megatron.compat import have_transformer_engine
+from aoe_megatron.compat import transformer_engine_usable
 from aoe_megatron.config import AoEConfig
 from aoe_megatron.experts import AoEExperts
 from aoe_megatron.init import draw_module_seed, expert_normal_
@@ -24,8 +28,51 @@ from aoe_megatron.router import AoERouter
 
 
 def use_transformer_engine() -> bool:
-    """TE's fused attention and norms, when TE is installed and CUDA is present."""
-    return have_transformer_engine() and torch.cuda.is_available()
+    """TE's fused attention and norms: only when TE imports and its kernels run on this GPU."""
+    return transformer_engine_usable()
+
+
+# ----------------------------------------------------------------------------- expert init
+
+
+def expert_weight_pairs(experts) -> list:
+    """[(fc1 weight, fc2 weight)] per local expert, for megatron-core's SequentialMLP (one MLP per
+    expert) or any module whose ``linear_fc1``/``linear_fc2`` keep one ``weight{i}`` per local expert
+    (TE's GroupedLinear under ``TEGroupedMLP``)."""
+    if hasattr(experts, "local_experts"):
+        return [(e.linear_fc1.weight, e.linear_fc2.weight) for e in experts.local_experts]
+    pairs = []
+    for i in range(experts.num_local_experts):
+        try:
+            pairs.append((getattr(experts.linear_fc1, f"weight{i}"),
+                          getattr(experts.linear_fc2, f"weight{i}")))
+        except AttributeError:
+            raise TypeError(
+                f"{type(experts).__name__} has no per-expert weight{i} on linear_fc1/linear_fc2 "
+                f"({type(experts.linear_fc1).__name__}): cannot initialise its experts per global "
+                f"expert (a TransformerEngine GroupedLinear keeps weight0..weight{{n-1}})"
+            ) from None
+    return pairs
+
+
+def init_experts_per_global_expert_(experts, *, module_seed: int, ep_rank: int, config) -> None:
+    """Refill every local expert's weights from a generator owned by (module seed, global expert,
+    slot): fc1 (slot 1) ~ N(0, init_method_std^2), fc2 (slot 2) ~ N(0, init_method_std^2 / (2L)),
+    megatron-core's init and output-layer init; global expert = ep_rank * local count + local."""
+    pairs = expert_weight_pairs(experts)
+    std_out = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    for local, (fc1, fc2) in enumerate(pairs):
+        g = ep_rank * len(pairs) + local
+        expert_normal_(fc1, module_seed=module_seed, global_expert=g, slot=1, std=config.init_method_std)
+        expert_normal_(fc2, module_seed=module_seed, global_expert=g, slot=2, std=std_out)
+
+
+@contextmanager
+def _rng_untouched():
+    """The CPU RNG (and this CUDA device's, if initialised) restored on exit."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        yield
 
 
 class EPInvariantSequentialMLP(SequentialMLP):
@@ -41,16 +88,65 @@ class EPInvariantSequentialMLP(SequentialMLP):
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
         seed = draw_module_seed()
-        with torch.random.fork_rng(devices=[]):
+        with _rng_untouched():
             super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
-        ep_rank = mcore_utils.get_pg_rank(self.ep_group)
-        std_out = config.init_method_std / math.sqrt(2.0 * config.num_layers)
-        for local, expert in enumerate(self.local_experts):
-            g = ep_rank * num_local_experts + local
-            expert_normal_(expert.linear_fc1.weight, module_seed=seed, global_expert=g, slot=1,
-                           std=config.init_method_std)
-            expert_normal_(expert.linear_fc2.weight, module_seed=seed, global_expert=g, slot=2,
-                           std=std_out)
+        init_experts_per_global_expert_(self, module_seed=seed, config=config,
+                                        ep_rank=mcore_utils.get_pg_rank(self.ep_group))
+
+
+class EPInvariantTEGroupedMLP(TEGroupedMLP):
+    """megatron-core's TEGroupedMLP (TE GroupedLinear experts), initialised per *global* expert
+    exactly as EPInvariantSequentialMLP: the same (seed, expert, slot) draws, so the TE baseline
+    starts from the local baseline's weights at every EP size.
+
+    NOTE: TEGroupedMLP lives in megatron-core's experts.py and imports without TE; only building it
+    needs TE's GroupedLinear (the spec names it only when TE is usable).
+    """
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        seed = draw_module_seed()
+        with _rng_untouched():
+            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
+        init_experts_per_global_expert_(self, module_seed=seed, config=config,
+                                        ep_rank=mcore_utils.get_pg_rank(self.ep_group))
+
+
+# ----------------------------------------------------------------------------- layer specs
+
+
+def align_norm_keys(spec: ModuleSpec, reference: ModuleSpec) -> ModuleSpec:
+    """Give ``spec``'s layers the checkpoint keys ``reference``'s layers save their norms under.
+
+    megatron-core's local spec maps ``input_layernorm.`` and ``pre_mlp_layernorm.`` onto the keys of
+    TE's fused norm-linears (``sharded_state_dict_keys_map``). Its TE spec fuses the input norm into
+    ``linear_qkv`` (already that key) but keeps a separate ``pre_mlp_layernorm`` for MoE layers,
+    unmapped: each norm that is a module of its own in ``spec`` gets the reference's entry.
+    """
+    own = spec.submodules.sharded_state_dict_keys_map
+    extra = {old: new for old, new in reference.submodules.sharded_state_dict_keys_map.items()
+             if old not in own and getattr(spec.submodules, old.rstrip("."), IdentityOp) is not IdentityOp}
+    spec.submodules.sharded_state_dict_keys_map = {**own, **extra}
+    return spec
+
+
+def _local_spec(num_experts: int) -> ModuleSpec:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    )
+
+
+def _swap_experts(spec: ModuleSpec, stock: type, ours: type) -> None:
+    experts = spec.submodules.mlp.submodules.experts
+    if experts.module is not stock:
+        hint = (" (a TransformerEngine without GroupedLinear, older than 1.9?): upgrade TE or run "
+                "without it" if stock is TEGroupedMLP else "")
+        raise RuntimeError(
+            f"megatron-core's spec gives {experts.module.__name__} experts where {stock.__name__} was "
+            f"expected, so the baseline's experts would not be initialised per global expert{hint}"
+        )
+    experts.module = ours
 
 
 def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None) -> ModuleSpec:
@@ -67,15 +163,13 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
         spec.submodules.mlp.submodules.router = partial(VariantRouter, router=router)
         return spec
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=True
         )
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
-    )
-    experts = spec.submodules.mlp.submodules.experts
-    assert experts.module is SequentialMLP, experts
-    experts.module = EPInvariantSequentialMLP
+        _swap_experts(spec, TEGroupedMLP, EPInvariantTEGroupedMLP)
+        return align_norm_keys(spec, _local_spec(num_experts))
+    spec = _local_spec(num_experts)
+    _swap_experts(spec, SequentialMLP, EPInvariantSequentialMLP)
     return spec
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["environment", "gpu-tests", "train-resume", "model", "layer"]
+STEPS = ["environment", "gpu-tests", "train-resume", "bf16-accumulation", "checkpoint-memory",
+         "model", "layer"]
 
 
 def _check(tmp_path, *flags, timeout=600, **env):

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from aoe_megatron.compat import have_transformer_engine, quiet_cpu_fallback_warnings
+    from aoe_megatron.compat import quiet_cpu_fallback_warnings, transformer_engine_usable
 
     quiet_cpu_fallback_warnings()
     cuda = torch.cuda.is_available()
@@ -119,9 +119,10 @@ def main(argv=None) -> int:
     device = "cuda" if args.device == "auto" and cuda else ("cpu" if args.device == "auto" else args.device)
     dtype_name = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
     dtype = getattr(torch, DTYPES[dtype_name])
-    have_te = have_transformer_engine() and device == "cuda"
+    have_te = device == "cuda" and transformer_engine_usable()  # imports and runs
     if args.te == "on" and not have_te:
-        ap.error("--te on needs CUDA and TransformerEngine installed")
+        ap.error("--te on needs CUDA and a TransformerEngine that imports and runs there "
+                 "(aoe_megatron.compat.transformer_engine_status says why not)")
     use_te = have_te if args.te == "auto" else args.te == "on"
 
     from aoe_megatron.bench import ep, fresh, layer, model, report

@@ -5,6 +5,7 @@
     tools/gpu_check.sh --cpu           # the same steps on the CPU at tiny shapes (tested)
     tools/gpu_check.sh --out DIR       # results folder (default: $OUT when set, else bench/gpu_check)
     tools/gpu_check.sh --budget 300    # seconds for all steps (default 300 on CUDA, 900 on the CPU)
+    tools/gpu_check.sh --skip model,layer   # leave steps out (recorded as skipped)
 
 Steps, each in its own processes within what is left of the budget, the results file rewritten
 after each:
@@ -12,6 +13,9 @@ after each:
   gpu-tests     the gpu-marked tests (CUDA-only: skipped on the CPU)
   train-resume  a tiny run at world 1 (bf16 on CUDA) that saves at step 6 and 12, a second run
                 resumed from step 6 whose losses must equal the first's, the checkpoints verified
+  bf16-accumulation  the tiny model in bf16, 64 micro-batches a step, gradients accumulated in
+                fp32 and in bf16: both runs' losses (tools/gpu_check_train.py)
+  checkpoint-memory  tools/ckpt_memory.py at world 1: the host memory a save and a load add
   model         AoE vs MoE tokens/s: a 4-layer 732M-shaped GPTModel, AoE experts by grouped_mm
                 ("aoe": auto picks it on CUDA) and by the loop ("aoe-loop"); CPU: the tiny model
   layer         the layer benchmark cut down: 732m, 4b and fine64 blocks in bf16; CPU: --quick
@@ -27,18 +31,14 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_TEST_FILES = ("tests/test_gpu_paths.py", "tests/test_grouped_experts.py")
-#: |resumed - uninterrupted| per step: bf16 GPU kernels may reduce in another order (atomics)
-RESUME_TOLERANCE = {"cuda": 2e-2, "cpu": 1e-5}
 
 
 #: What a launcher (torchrun, srun, a test's process group) sets: every step is a job of its own.
@@ -122,6 +122,7 @@ def environment(check: Check) -> dict:
              " 'torch': torch.__version__, 'cuda': torch.version.cuda, 'megatron_core': v('megatron-core'),\n"
              " 'deepspeed': v('deepspeed'), 'device': torch.cuda.get_device_name() if cuda else 'cpu',\n"
              " 'transformer_engine': compat.have_transformer_engine(),\n"
+             " 'transformer_engine_usable': compat.transformer_engine_status(),\n"
              " 'nvidia_apex': compat.have_nvidia_apex(),\n"
              " 'fused_softmax': compat.fused_softmax_available()}))\n")
     figures = json.loads(check.run([sys.executable, "-c", probe], timeout=120).splitlines()[-1])
@@ -151,49 +152,6 @@ def gpu_tests(check: Check) -> dict:
     if counts.get("passed", 0) == 0:
         raise RuntimeError(f"no gpu-marked test ran: {summary}")
     return {"figures": counts}
-
-
-def _losses(run_dir: Path) -> dict:
-    losses = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        if record["kind"] == "train":
-            losses[record["step"]] = record["loss"]
-    return losses
-
-
-def train_resume(check: Check) -> dict:
-    """12 steps saving at 6 and 12; then a copy of step 6 alone resumed to step 12. In a scratch
-    folder: the results folder holds results only (the device tool brings back 8 files)."""
-    work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-"))
-    common = [sys.executable, "-m", "aoe_megatron.train", "--preset", "tiny", "--mock-data",
-              "--train-steps", "12", "--save-interval", "6", "--eval-interval", "6",
-              "--log-interval", "1"]
-    env = {"OMP_NUM_THREADS": "2"}
-    t0 = time.perf_counter()
-    check.run([*common, "--ckpt-dir", work / "ckpt", "--run-dir", work / "run"], timeout=300,
-              env=env)
-    first_s = time.perf_counter() - t0
-    check.run([sys.executable, "tools/checkpoints.py", "verify", work / "ckpt"], timeout=120)
-    resumed_ckpt = work / "ckpt-from-6"
-    shutil.copytree(work / "ckpt" / "step_00000006", resumed_ckpt / "step_00000006")
-    (resumed_ckpt / "latest").write_text("step_00000006\n")
-    output = check.run([*common, "--ckpt-dir", resumed_ckpt, "--run-dir", work / "resumed"],
-                       timeout=300, env=env)
-    if "resumed from" not in output:
-        raise RuntimeError("the second run did not resume from step 6")
-    first, second = _losses(work / "run"), _losses(work / "resumed")
-    if sorted(second) != list(range(7, 13)):
-        raise RuntimeError(f"the resumed run logged steps {sorted(second)}, not 7-12")
-    diff = max(abs(first[s] - second[s]) for s in second)
-    run = json.loads((work / "run" / "run.json").read_text())
-    figures = {"final_loss": first[12], "max_resume_loss_diff": diff, "first_run_s": round(first_s, 1),
-               "world_size": run["world_size"]}
-    shutil.rmtree(work, ignore_errors=True)
-    if diff > RESUME_TOLERANCE[check.mode]:
-        raise RuntimeError(f"resumed losses differ from the uninterrupted run's by {diff:.3g} "
-                           f"(> {RESUME_TOLERANCE[check.mode]:g}): {figures}")
-    return {"figures": figures}
 
 
 def _bench(check: Check, name: str, flags: list, timeout: float) -> dict:
@@ -235,6 +193,8 @@ def main(argv=None) -> int:
                     "on CUDA, the lent GPU's 5 minutes; 900 on the CPU)")
     ap.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if os.environ.get("OUT")
                     else REPO / "bench" / "gpu_check", help="results folder")
+    ap.add_argument("--skip", default="", help="steps to leave out, comma-separated (e.g. "
+                    "model,layer when their figures are already in hand)")
     args = ap.parse_args(argv)
     if args.cpu:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # every child process runs on the CPU
@@ -243,8 +203,18 @@ def main(argv=None) -> int:
     check.step("environment", lambda: environment(check))
     if check.results["steps"][0]["status"] == "failed":
         return 1
-    for name, fn in (("gpu-tests", gpu_tests), ("train-resume", train_resume), ("model", model),
-                     ("layer", layer)):
+    from gpu_check_train import bf16_accumulation, checkpoint_memory, train_resume  # tools/
+
+    steps = {"gpu-tests": gpu_tests, "train-resume": train_resume,
+             "bf16-accumulation": bf16_accumulation, "checkpoint-memory": checkpoint_memory,
+             "model": model, "layer": layer}
+    skip = set(filter(None, args.skip.split(",")))
+    if skip - set(steps):
+        ap.error(f"--skip: unknown steps {sorted(skip - set(steps))}; the steps: {', '.join(steps)}")
+    for name, fn in steps.items():
+        if name in skip:
+            check.step(name, lambda: {"status": "skipped", "reason": "--skip"})
+            continue
         check.step(name, lambda fn=fn: fn(check))
     check.say(f"results: {check.out / 'gpu_check.json'} ({'ok' if check.results['ok'] else 'FAILED'})")
     return 0 if check.results["ok"] else 1

@@ -56,8 +56,34 @@ def _into_tensor_planner():
     return IntoTensor
 
 
+#: Layer norms some specs save under another key: ours (megatron-core's local spec maps the norms
+#: onto TE's fused norm-linear keys through ``sharded_state_dict_keys_map``, and our TE spec does
+#: too) -> that of a layer keeping the norm as a module of its own, unmapped (stock Megatron-LM's
+#: TE spec: its MoE layers have a separate TENorm ``pre_mlp_layernorm``).
+NORM_KEY_ALIASES = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+}
+
+
+def _our_names(stored_keys, path) -> dict:
+    """{our key: stored key} for the norms stored under their other name."""
+    renamed = {}
+    for ours, other in NORM_KEY_ALIASES.items():
+        if other in stored_keys and ours in stored_keys:
+            raise ConversionError(f"{path} holds both {ours!r} and {other!r}: the same norm saved "
+                                  f"in two layouts; it was not written by one model")
+        if other in stored_keys:
+            renamed[ours] = other
+    return renamed
+
+
 class CheckpointReader:
-    """Slices of the model tensors of one checkpoint (``resolve_checkpoint`` output)."""
+    """Slices of the model tensors of one checkpoint (``resolve_checkpoint`` output).
+
+    Keys are this project's layout whichever spec wrote the checkpoint: a norm saved under its
+    ``NORM_KEY_ALIASES`` name (stock Megatron-LM's TE spec) is listed and read under ours.
+    """
 
     def __init__(self, path):
         from torch.distributed.checkpoint import FileSystemReader
@@ -76,17 +102,23 @@ class CheckpointReader:
                 f"again or convert an earlier checkpoint"
             )
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        self._stored = _our_names(self.metadata.state_dict_metadata, model_dir)
         self._planner = _into_tensor_planner()  # a class made once: no cycle holds a slice
 
     def tensors(self) -> dict:
         """Every tensor key with its global shape (non-tensor entries left out)."""
-        return {k: tuple(v.size) for k, v in self.metadata.state_dict_metadata.items() if hasattr(v, "size")}
+        ours = {stored: key for key, stored in self._stored.items()}
+        return {ours.get(k, k): tuple(v.size) for k, v in self.metadata.state_dict_metadata.items()
+                if hasattr(v, "size")}
 
-    def shape(self, key: str) -> tuple:
+    def _meta(self, key: str):
         try:
-            return tuple(self.metadata.state_dict_metadata[key].size)
+            return self.metadata.state_dict_metadata[self._stored.get(key, key)]
         except KeyError:
             raise ConversionError(f"{self.path / 'model'} has no tensor {key!r}") from None
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self._meta(key).size)
 
     def read(self, key: str, index: Optional[int] = None) -> torch.Tensor:
         """The global tensor ``key``, or its ``index``-th slice along axis 0 (a layer)."""
@@ -94,17 +126,16 @@ class CheckpointReader:
         from torch.distributed.checkpoint.planner import LoadPlan
         from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-        shape = self.shape(key)
-        meta = self.metadata.state_dict_metadata[key]
+        shape, meta, stored = self.shape(key), self._meta(key), self._stored.get(key, key)
         offsets = [0] * len(shape)
         sizes = list(shape)
         if index is not None:
             offsets[0], sizes[0] = index, 1
         target = torch.empty(sizes, dtype=meta.properties.dtype)
         planner = self._planner(target)
-        planner.set_up_planner({key: target}, self.metadata, is_coordinator=True)
+        planner.set_up_planner({stored: target}, self.metadata, is_coordinator=True)
         items = create_read_items_for_chunk_list(
-            key, meta, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
+            stored, meta, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))]
         )
         covered = sum(math.prod(item.lengths) for item in items)
         if covered != target.numel():

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from aoe_megatron.train import integrity, optim_state
 from aoe_megatron.train.faults import TrainingHalted
+from aoe_megatron.train.host_memory import PeakHostMemory
 
 LATEST = "latest"
 VERIFIED = "last_verified"
@@ -102,8 +103,10 @@ def start_writer() -> None:
 
 def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_samples: int,
                     layout: dict, config: dict, extra: Optional[dict] = None,
-                    keep_last: int = 0) -> Path:
-    """Write a checkpoint collectively (every rank calls this); returns its directory."""
+                    keep_last: int = 0, stats: Optional[dict] = None) -> Path:
+    """Write a checkpoint collectively (every rank calls this); returns its directory.
+    ``stats``, if given, receives ``host_peak_bytes``: the most any rank's host memory rose while
+    writing the model and optimizer state (None where it cannot be measured)."""
     from megatron.core import dist_checkpointing
 
     rank = dist.get_rank()
@@ -118,10 +121,12 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
             (tmp / sub).mkdir(parents=True)
     dist.barrier()
     try:
-        with optim_state.gathered(engine, model):
+        with PeakHostMemory() as peak, optim_state.gathered(engine, model):
             dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "model"))
             dist_checkpointing.save(optim_state.sharded_optimizer_state(model, engine),
                                     str(tmp / "optimizer"))
+        if stats is not None:
+            stats["host_peak_bytes"] = _max_over_ranks(peak.added_bytes)
         torch.save(optim_state.rng_state(), tmp / "rng" / f"rank{rank}.pt")
         dist.barrier()
         if rank == 0:
@@ -146,6 +151,15 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
             apply_retention(root, keep_last)
     dist.barrier()
     return final
+
+
+def _max_over_ranks(nbytes: Optional[int]) -> Optional[int]:
+    """The largest of every rank's figure (collective); None if any rank has none."""
+    from aoe_megatron.distributed import reduce_across_ranks
+
+    most = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else nbytes), op="max").item())
+    least = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else 0), op="max").item())
+    return None if least < 0 else most
 
 
 def apply_retention(ckpt_dir, keep_last: int, log: Callable = print) -> list:
@@ -248,10 +262,15 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
         raise ResumeError(f"{path} was written by an older aoe-megatron (per-rank optimizer files, "
                           f"no manifest): start from its weights with --load-weights {path}")
     rank = dist.get_rank()
-    with optim_state.gathered(engine, model):  # the weights follow from the fp32 masters
+    # AdamW's own state (made lazily at a run's first step) is created before the measurement:
+    # the peak is what loading adds, not the memory every run holds for its optimizer anyway.
+    optim_state.prepare_state(engine)
+    with PeakHostMemory() as peak, optim_state.gathered(engine, model):  # weights follow the masters
         loaded = dist_checkpointing.load(optim_state.sharded_optimizer_state(model, engine, empty=True),
                                          str(path / "optimizer"))
         optim_state.restore_optimizer_state(model, engine, loaded, step=state["adam_step"])
+        del loaded
+    state["host_peak_bytes"] = _max_over_ranks(peak.added_bytes)
     optim_state.weights_from_masters(engine)
     optim_state.restore_schedule(scheduler, state["scheduler_last_epoch"])
     changes = _describe_changes(state["layout"], layout)

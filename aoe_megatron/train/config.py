@@ -29,6 +29,13 @@ class TrainConfig:
     """Only 1 for now."""
     expert_parallel_size: int = 1
     zero_stage: int = 1
+    precision: str = "auto"
+    """Weights and activations: bf16 or fp32; auto: bf16 on CUDA, fp32 on the CPU. The fp32
+    master weights and Adam state are kept by the optimizer either way."""
+    grad_accum_dtype: str = "fp32"
+    """bf16 runs: gradients are accumulated over the micro-batches and reduced across ranks in
+    this dtype (fp32, as Megatron-LM does; bf16 halves that memory and traffic but rounds away
+    small gradients over many micro-batches)."""
     micro_batch_size: int = 1
     global_batch_size: int = 8
     """Sequences per optimizer step, over all data-parallel ranks."""
@@ -83,6 +90,14 @@ class TrainConfig:
             overrides["arch"] = self.arch
         return load_preset(self.preset, **overrides)
 
+    def bf16(self) -> bool:
+        """Whether the run computes in bf16 (``precision``, auto: where CUDA is)."""
+        if self.precision == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.precision == "bf16"
+
     def steps(self) -> int:
         if self.train_steps is not None:
             return self.train_steps
@@ -118,6 +133,11 @@ class TrainConfig:
         check_zero_and_ep(self.zero_stage, self.expert_parallel_size)
         if self.zero_stage not in (1, 2, 3):
             raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.grad_accum_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got "
+                             f"{self.grad_accum_dtype!r}")
         for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
                      "expert_parallel_size"):
             if getattr(self, name) <= 0:

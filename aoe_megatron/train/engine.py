@@ -28,10 +28,23 @@ def import_deepspeed():
     return deepspeed
 
 
+GRAD_ACCUM_DTYPES = ("fp32", "bf16")
+
+
 def load_zero_config(stage: int, *, micro_batch: int, grad_accum: int, dp_size: int,
-                     bf16: bool) -> dict:
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+                     bf16: bool, grad_accum_dtype: str = "fp32") -> dict:
+    """DeepSpeed's config for ZeRO ``stage``.
+
+    bf16 runs accumulate gradients over the micro-batches, and reduce them across ranks, in
+    ``grad_accum_dtype``: fp32 by default, as Megatron-LM does (64 to 128 bf16 additions per step
+    would otherwise round away small gradients). With fp32, DeepSpeed runs ZeRO-1 as its
+    ``BF16_Optimizer`` and ZeRO-2/3 with fp32 gradient partitions.
+    """
+    if stage not in (1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+    if grad_accum_dtype not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got "
+                         f"{grad_accum_dtype!r}")
     path = DEEPSPEED_CONFIGS / f"zero{max(stage, 1)}.json"
     cfg = json.loads(path.read_text())
     cfg["zero_optimization"]["stage"] = stage
@@ -40,6 +53,9 @@ def load_zero_config(stage: int, *, micro_batch: int, grad_accum: int, dp_size: 
     # NOTE: DeepSpeed's data-parallel size is the world size (EP ranks are DP ranks too).
     cfg["train_batch_size"] = micro_batch * grad_accum * dp_size
     cfg["bf16"] = {"enabled": bool(bf16)}
+    if bf16:
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+        cfg["communication_data_type"] = grad_accum_dtype
     return cfg
 
 
@@ -116,12 +132,16 @@ def optimizer_param_groups(model: torch.nn.Module, *, weight_decay: float) -> li
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
     ]
+    # NOTE: no empty group: DeepSpeed's BF16_Optimizer drops it, and the LR scheduler, built on
+    # the groups given here, then fails at its first step (more groups than the optimizer has).
+    groups = [g for g in groups if g["params"]]
     return split_params_into_different_moe_groups_for_optimizer(groups)
 
 
 def build_engine(model, *, zero_stage: int, lr: float, betas=(0.9, 0.95), weight_decay=0.1,
                  eps=1e-8, lr_schedule=None, micro_batch: int, grad_accum: int, ep_size: int,
-                 num_experts: int, bf16: bool = False, clip_grad: float = 1.0):
+                 num_experts: int, bf16: bool = False, grad_accum_dtype: str = "fp32",
+                 clip_grad: float = 1.0):
     """(engine, optimizer, scheduler) for ``model`` under ZeRO ``zero_stage``."""
     import torch.distributed as dist
 
@@ -133,7 +153,8 @@ def build_engine(model, *, zero_stage: int, lr: float, betas=(0.9, 0.95), weight
                                   lr=lr, betas=betas, eps=eps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule or (lambda _: 1.0))
     config = load_zero_config(zero_stage, micro_batch=micro_batch, grad_accum=grad_accum,
-                              dp_size=dist.get_world_size(), bf16=bf16)
+                              dp_size=dist.get_world_size(), bf16=bf16,
+                              grad_accum_dtype=grad_accum_dtype)
     config["gradient_clipping"] = clip_grad
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,

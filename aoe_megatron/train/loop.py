@@ -13,6 +13,7 @@ import os
 import platform
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from aoe_megatron.train.config import (
     world_size_from_env,
 )
 from aoe_megatron.train.faults import TrainingHalted, clear_halt_record, write_halt_record
+from aoe_megatron.train.host_memory import gib
 
 EXIT_AFTER_SIGNAL = 0
 EXIT_HALTED = 3
@@ -101,7 +103,8 @@ def train(cfg: TrainConfig) -> dict:
                   seed=cfg.seed, timeout_minutes=cfg.distributed_timeout_minutes)
     model_cfg = cfg.model
     on_gpu = torch.cuda.is_available()
-    extra = {"bf16": True, "params_dtype": torch.bfloat16} if on_gpu else {}
+    bf16 = cfg.bf16()
+    extra = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
     if cfg.recompute:
         extra.update(recompute_granularity="selective", recompute_modules=["moe"])
     tc = transformer_config(model_cfg, expert_parallel_size=cfg.expert_parallel_size, **extra)
@@ -114,7 +117,8 @@ def train(cfg: TrainConfig) -> dict:
     engine, _, scheduler = build_engine(
         model, zero_stage=cfg.zero_stage, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay, micro_batch=cfg.micro_batch_size, grad_accum=gas,
-        ep_size=cfg.expert_parallel_size, num_experts=model_cfg.num_experts, bf16=on_gpu,
+        ep_size=cfg.expert_parallel_size, num_experts=model_cfg.num_experts, bf16=bf16,
+        grad_accum_dtype=cfg.grad_accum_dtype,
         clip_grad=cfg.clip_grad,
         lr_schedule=lr_lambda(peak=cfg.lr, final=cfg.min_lr,
                               warmup_steps=min(cfg.warmup_steps, steps - 1), total_steps=steps),
@@ -139,7 +143,10 @@ def train(cfg: TrainConfig) -> dict:
     if state is not None:
         start = state["step"]
         if rank == 0:
-            print(f"resumed from {state['path']} at step {start}", flush=True)
+            peak = state.get("host_peak_bytes")
+            print(f"resumed from {state['path']} at step {start}"
+                  + (f" (host memory peak +{gib(peak)} on the busiest rank)" if peak is not None
+                     else ""), flush=True)
             if (before := state["layout"]["world_size"]) != world:
                 print(f"gradient accumulation {cfg.grad_accum(before)} -> {gas} micro-batches per "
                       f"rank (global batch {cfg.global_batch_size}, sample order unchanged)",
@@ -176,14 +183,19 @@ def train(cfg: TrainConfig) -> dict:
 
     def save(step: int) -> None:
         if cfg.ckpt_dir:
+            stats, began = {}, time.perf_counter()
             path = ckpt.save_checkpoint(cfg.ckpt_dir, step=step, engine=engine, model=model,
                                         scheduler=scheduler,
                                         consumed_samples=step * cfg.global_batch_size,
                                         layout=layout, config=resolved(cfg),
                                         keep_last=cfg.keep_last,
-                                        extra={"data": data, **nonfinite.state()})
+                                        extra={"data": data, **nonfinite.state()},
+                                        stats=stats)
             if rank == 0:
-                print(f"saved {path}", flush=True)
+                peak = stats.get("host_peak_bytes")
+                print(f"saved {path} ({time.perf_counter() - began:.1f} s"
+                      + (f"; host memory peak +{gib(peak)} on the busiest rank" if peak is not None
+                         else "") + ")", flush=True)
 
     try:
         for step in range(start, steps):

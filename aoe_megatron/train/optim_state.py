@@ -9,6 +9,12 @@ checkpointing as sharded tensors that share the sharding of the model weight the
 checkpoint written at EP = e loads at any EP = e' (each rank reads the experts it now owns),
 exactly as the model weights do.
 
+Each rank writes and reads the full state of a share of the parameters only (``owners``): the
+state of one parameter is gathered over the ranks that partition it, kept by its owner and
+dropped by the others; on load the owner reads it and broadcasts it to them, one parameter at a
+time. A rank's host memory for the optimizer state is then its share plus one parameter, not the
+whole model's fp32 state (48 GB for the 4B model).
+
 Not ``ds_to_universal.py``: it merges expert weights by name and gives every rank rank 0's
 experts at EP > 1 (``../shared/ENGINE-NOTES.md``). Not megatron-core's DistributedOptimizer: the
 trainer's optimizer is DeepSpeed ZeRO.
@@ -89,12 +95,22 @@ def weights_from_masters(engine) -> None:
 
 
 def _check_engine(engine) -> None:
+    """ZeRO-1/2 (``DeepSpeedZeroOptimizer``), ZeRO-3, and ``BF16_Optimizer`` (what DeepSpeed runs
+    for ZeRO-1 with bf16 weights and fp32 gradient accumulation): all three keep fp32 master
+    partitions linked to the parameters by DeepSpeed's tensor-fragment mapping."""
     opt = engine.optimizer
-    if not (hasattr(opt, "single_partition_of_fp32_groups") or _zero3(engine)):
+    if not (hasattr(opt, "single_partition_of_fp32_groups") or _zero3(engine)
+            or hasattr(opt, "fp32_groups_flat_partition")):
         raise NotImplementedError(
-            f"checkpoints support DeepSpeed ZeRO optimizers, not {type(opt).__name__}")
+            f"checkpoints support DeepSpeed's ZeRO and BF16 optimizers, not {type(opt).__name__}")
     if not isinstance(opt.optimizer, torch.optim.AdamW):
         raise NotImplementedError(f"checkpoints hold AdamW state, not {type(opt.optimizer).__name__}")
+
+
+def prepare_state(engine) -> None:
+    """Check the engine and give every partition its AdamW state (before a load)."""
+    _check_engine(engine)
+    _adam_state_ready(engine)
 
 
 def adam_step(engine) -> int:
@@ -103,47 +119,109 @@ def adam_step(engine) -> int:
     return int(states[0]["step"]) if states else 0
 
 
+def _partition_group(param):
+    """The process group over which DeepSpeed partitions ``param``'s optimizer state (and over
+    which its full-state getters reduce): the data-parallel group, or the expert-data-parallel
+    group for an expert weight."""
+    group = getattr(param, "ds_process_group", None) if hasattr(param, "ds_id") else \
+        getattr(param, "_dp_group", None)
+    if group is None:
+        raise RuntimeError("a parameter is not linked to a DeepSpeed optimizer partition")
+    return group
+
+
+def _numel(param) -> int:
+    return getattr(param, "ds_numel", None) or param.numel()  # ZeRO-3: the whole parameter's
+
+
+def _full_shape(param) -> torch.Size:
+    return getattr(param, "ds_shape", None) or param.shape
+
+
+def owners(model) -> dict:
+    """Parameter name -> the global rank that saves and loads its optimizer state.
+
+    Each parameter goes to the least-loaded rank (by elements) of the group that partitions it,
+    largest parameters first; dense parameters (partitioned over every data-parallel rank) are
+    placed before expert ones, so that the ranks of one expert-data-parallel group, which know
+    only their own experts, still agree on every placement they share.
+    """
+    import torch.distributed as dist
+
+    params = [(name, p, dist.get_process_group_ranks(_partition_group(p)))
+              for name, p in model.named_parameters()]
+    world = dist.get_world_size()
+    order = sorted(params, key=lambda item: (len(item[2]) != world, -_numel(item[1]), item[0]))
+    load, out = {}, {}
+    for name, param, ranks in order:
+        owner = min(ranks, key=lambda r: (load.get(r, 0), r))
+        load[owner] = load.get(owner, 0) + _numel(param)
+        out[name] = owner
+    return out
+
+
 def sharded_optimizer_state(model, engine, *, empty: bool = False) -> dict:
-    """The optimizer state as sharded tensors keyed ``optimizer.<fp32|exp_avg|exp_avg_sq>.<key>``.
+    """This rank's share of the optimizer state (``owners``), as sharded tensors keyed
+    ``optimizer.<fp32|exp_avg|exp_avg_sq>.<key>`` with the sharding of the model weights.
 
     Collective (every rank, same order); under ZeRO-3, call it inside ``gathered``. With
-    ``empty``, uninitialised tensors to load into. Each parameter's full state is gathered over
-    its data-parallel group (a transient fp32 copy per state, kept on the CPU).
+    ``empty``, uninitialised tensors to load this rank's share into. Each parameter's full state
+    is gathered over its partition group; only its owner keeps it (on the CPU).
     """
+    from dataclasses import replace
+
+    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
     from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
     _check_engine(engine)
     if not empty:
         _adam_state_ready(engine)
-    shards = param_shards(model)
+    shards, owner, me = param_shards(model), owners(model), dist.get_rank()
     out = {}
     for name, param in model.named_parameters():
         for key in STATE_KEYS:
             if empty:
-                value = torch.empty(param.shape, dtype=torch.float32)
+                value = (torch.empty(_full_shape(param), dtype=torch.float32)
+                         if owner[name] == me else None)
             elif key == "fp32":
-                value = safe_get_full_fp32_param(param).cpu()
+                value = safe_get_full_fp32_param(param)
             else:
-                value = safe_get_full_optimizer_state(param, key).cpu()
-            out[f"{key}/{name}"] = make_sharded_optimizer_tensor(shards[name], value,
-                                                                 prefix=f"optimizer.{key}")
+                value = safe_get_full_optimizer_state(param, key)
+            if owner[name] != me:
+                continue  # gathered for the owner's sake (a collective); not kept
+            tensor = make_sharded_optimizer_tensor(shards[name], value.cpu(),
+                                                   prefix=f"optimizer.{key}")
+            # the one copy of this slice in the checkpoint, whatever rank holds it
+            out[f"{key}/{name}"] = replace(tensor, replica_id=0)
     return out
 
 
 def restore_optimizer_state(model, engine, loaded: dict, *, step: int) -> None:
-    """Write loaded per-parameter state (``sharded_optimizer_state(empty=True)`` filled by
-    ``dist_checkpointing.load``) into this run's ZeRO partitions; ``weights_from_masters`` then
-    sets the model weights."""
+    """Write this rank's loaded share (``sharded_optimizer_state(empty=True)`` filled by
+    ``dist_checkpointing.load``; consumed as it goes) into the ZeRO partitions of every rank: each
+    parameter's state is broadcast by its owner over its partition group. Collective.
+    ``weights_from_masters`` then sets the model weights."""
+    import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    from aoe_megatron.distributed import broadcast_from
 
     _check_engine(engine)
     _adam_state_ready(engine)
+    owner, me = owners(model), dist.get_rank()
     for name, param in model.named_parameters():
-        device = param.device
-        safe_set_full_fp32_param(param, loaded[f"fp32/{name}"].to(device))
-        for key in ("exp_avg", "exp_avg_sq"):
-            safe_set_full_optimizer_state(param, loaded[f"{key}/{name}"].to(device), key)
+        group = _partition_group(param)
+        for key in STATE_KEYS:
+            mine = loaded.pop(f"{key}/{name}") if owner[name] == me else None
+            full = broadcast_from(mine, src=owner[name], shape=_full_shape(param),
+                                  dtype=torch.float32, group=group).to(param.device)
+            del mine
+            if key == "fp32":
+                safe_set_full_fp32_param(param, full)
+            else:
+                safe_set_full_optimizer_state(param, full, key)
+            del full
     for state in engine.optimizer.optimizer.state.values():
         state["step"].fill_(step)
 

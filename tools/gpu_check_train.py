@@ -1,0 +1,91 @@
+"""tools/gpu_check.py's training steps (issue #20): bf16 gradient accumulation in fp32 against
+bf16, and the host memory of a checkpoint save and load. Each takes the ``Check`` that runs it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: |resumed - uninterrupted| per step: bf16 GPU kernels may reduce in another order (atomics)
+RESUME_TOLERANCE = {"cuda": 2e-2, "cpu": 1e-5}
+
+#: Tiny model, 64 micro-batches a step (the 732M recipe's count on 8 GPUs): global 128, micro 2.
+ACCUMULATION = ["--preset", "tiny", "--mock-data", "--global-batch-size", "128",
+                "--micro-batch-size", "2", "--eval-interval", "0", "--log-interval", "1",
+                "--warmup-steps", "2", "--precision", "bf16"]
+
+
+def _losses(run_dir: Path) -> dict:
+    losses = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "train":
+            losses[record["step"]] = record["loss"]
+    return losses
+
+
+def train_resume(check) -> dict:
+    """12 steps saving at 6 and 12; then a copy of step 6 alone resumed to step 12. In a scratch
+    folder: the results folder holds results only (the device tool brings back 8 files)."""
+    work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-"))
+    common = [sys.executable, "-m", "aoe_megatron.train", "--preset", "tiny", "--mock-data",
+              "--train-steps", "12", "--save-interval", "6", "--eval-interval", "6",
+              "--log-interval", "1"]
+    env = {"OMP_NUM_THREADS": "2"}
+    t0 = time.perf_counter()
+    check.run([*common, "--ckpt-dir", work / "ckpt", "--run-dir", work / "run"], timeout=300,
+              env=env)
+    first_s = time.perf_counter() - t0
+    check.run([sys.executable, "tools/checkpoints.py", "verify", work / "ckpt"], timeout=120)
+    resumed_ckpt = work / "ckpt-from-6"
+    shutil.copytree(work / "ckpt" / "step_00000006", resumed_ckpt / "step_00000006")
+    (resumed_ckpt / "latest").write_text("step_00000006\n")
+    output = check.run([*common, "--ckpt-dir", resumed_ckpt, "--run-dir", work / "resumed"],
+                       timeout=300, env=env)
+    if "resumed from" not in output:
+        raise RuntimeError("the second run did not resume from step 6")
+    first, second = _losses(work / "run"), _losses(work / "resumed")
+    if sorted(second) != list(range(7, 13)):
+        raise RuntimeError(f"the resumed run logged steps {sorted(second)}, not 7-12")
+    diff = max(abs(first[s] - second[s]) for s in second)
+    run = json.loads((work / "run" / "run.json").read_text())
+    figures = {"final_loss": first[12], "max_resume_loss_diff": diff, "first_run_s": round(first_s, 1),
+               "world_size": run["world_size"]}
+    shutil.rmtree(work, ignore_errors=True)
+    if diff > RESUME_TOLERANCE[check.mode]:
+        raise RuntimeError(f"resumed losses differ from the uninterrupted run's by {diff:.3g} "
+                           f"(> {RESUME_TOLERANCE[check.mode]:g}): {figures}")
+    return {"figures": figures}
+
+
+def bf16_accumulation(check) -> dict:
+    """The same bf16 run (same seed and batches) with gradients accumulated over 64 micro-batches
+    in fp32 (the default) and in bf16: their losses, step by step."""
+    steps = 20 if check.mode == "cuda" else 1
+    work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-accum-"))
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        check.run([sys.executable, "-m", "aoe_megatron.train", *ACCUMULATION, "--train-steps",
+                   str(steps), "--grad-accum-dtype", dtype, "--run-dir", work / dtype],
+                  timeout=240, env={"OMP_NUM_THREADS": "2"})
+        losses[dtype] = _losses(work / dtype)
+    diffs = [losses["bf16"][s] - losses["fp32"][s] for s in sorted(losses["fp32"])]
+    return {"figures": {"micro_batches_per_step": 64, "steps": steps,
+                        "loss_fp32_accumulation": [round(v, 5) for v in losses["fp32"].values()],
+                        "loss_bf16_accumulation": [round(v, 5) for v in losses["bf16"].values()],
+                        "final_loss_difference": round(diffs[-1], 5),
+                        "max_abs_loss_difference": round(max(map(abs, diffs)), 5)}}
+
+
+def checkpoint_memory(check) -> dict:
+    """tools/ckpt_memory.py at world 1 (on CUDA: the 142M-parameter model; the CPU: tiny)."""
+    out = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-mem-")) / "memory.json"
+    check.run([sys.executable, "tools/ckpt_memory.py", "--world", "1", "--out", out,
+               *([] if check.mode == "cuda" else ["--quick"])], timeout=300)
+    result = json.loads(out.read_text())
+    return {"figures": {k: result[k] for k in ("parameters", "optimizer_state_gib",
+                                                "save_peak_gib", "load_peak_gib")}}
