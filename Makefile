@@ -15,7 +15,7 @@ STUDY_ARGS ?=
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
-	@echo "make smoke   - one process: a tiny GPTModel learns a fixed batch"
+	@echo "make smoke   - one process: the tiny preset through the real entry point, 30 steps of random tokens"
 	@echo "make test    - the test suite (CPU, gloo; what CI runs)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
@@ -70,11 +70,12 @@ demo: setup $(CORPUS_PREFIX).idx
 		--train-steps $(DEMO_STEPS) --ckpt-dir $(DEMO_DIR)/checkpoints --run-dir $(DEMO_DIR)
 
 smoke: setup
-	$(PY) -m aoe_megatron.smoke --preset tiny --arch aoe --steps 30
+	$(PY) -m aoe_megatron.train --preset tiny --mock-data --train-steps 30 --log-interval 5 \
+		--eval-interval 0 --run-dir runs/smoke
 
 params: setup
-	$(PY) -m aoe_megatron.params 732m
-	$(PY) -m aoe_megatron.params 4b
+	$(PY) -m aoe_megatron.models.params 732m
+	$(PY) -m aoe_megatron.models.params 4b
 
 preprocess: $(CORPUS_PREFIX).idx
 $(CORPUS_PREFIX).idx: $(ASSETS)

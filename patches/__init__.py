@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 
-from patches import (
+from . import (
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_state_dict_saver,
     mcore_moe_router,
@@ -29,7 +29,7 @@ from patches import (
     mcore_transformer_utils,
     mcore_utils,
 )
-from patches._patching import revert_all
+from ._patching import revert_all
 
 #: The megatron-core version every patch here was written against and tested with.
 SUPPORTED_MCORE_VERSION = "0.16.1"

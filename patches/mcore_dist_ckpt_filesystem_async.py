@@ -9,7 +9,7 @@ The CPU copy is already complete when ``.to("cpu")`` returns.
 
 from __future__ import annotations
 
-from patches._patching import cuda_absent, module, replace
+from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 

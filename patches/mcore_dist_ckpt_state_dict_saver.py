@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from patches._patching import cuda_absent, module, replace_bound
+from ._patching import cuda_absent, module, replace_bound
 
 TARGET = "megatron.core.dist_checkpointing.strategies.state_dict_saver"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-from patches._patching import cuda_absent, module, replace
+from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.transformer.moe.token_dispatcher"
 

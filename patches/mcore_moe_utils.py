@@ -9,7 +9,7 @@ With ``None`` upstream takes its own ``torch.mm`` path.
 
 from __future__ import annotations
 
-from patches._patching import module, replace
+from ._patching import module, replace
 
 TARGET = "megatron.core.transformer.moe.moe_utils"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from patches._patching import cuda_absent, module, replace
+from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.models.common.embeddings.rotary_pos_embedding"
 

@@ -15,7 +15,7 @@ import logging
 
 import torch
 
-from patches._patching import cuda_absent, module, replace
+from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.tensor_parallel.random"
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 import torch
 
-from patches._patching import cuda_absent, replace_bound
+from ._patching import cuda_absent, replace_bound
 
 TARGET = "megatron.core.transformer.utils"
 

@@ -14,7 +14,7 @@ from functools import reduce
 
 import torch
 
-from patches._patching import cuda_absent, module, replace
+from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.utils"
 

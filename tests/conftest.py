@@ -14,7 +14,7 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed + megatron parallel state, TP = PP = EP = 1, in this process."""
-    from aoe_megatron.distributed import init_megatron
+    from aoe_megatron.runtime.distributed import init_megatron
 
     init_megatron(rank=0, world_size=1, expert_parallel_size=1)
     yield

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from aoe_megatron.distributed import free_port
+from aoe_megatron.runtime.distributed import free_port
 
 
 def _worker(rank, world_size, port, expert_parallel_size, fn, args, errors):
@@ -19,7 +19,7 @@ def _worker(rank, world_size, port, expert_parallel_size, fn, args, errors):
     # As torchrun sets them (DeepSpeed reads them).
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    from aoe_megatron.distributed import init_megatron, shutdown
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     try:
         init_megatron(rank=rank, world_size=world_size, expert_parallel_size=expert_parallel_size)
@@ -82,7 +82,7 @@ def norm_of(c, order):
 
 
 def reference_aoe(x_TD, w_down_DER, w_up, w_p, w_o, *, top_k, norm="l2",
-                  weight_mode="topk_softmax", alpha_aux=0.0):
+                  selection="topk_softmax", alpha_aux=0.0):
     """Algorithm 2 written plainly, one token at a time, in float64.
 
     Returns (output [T, D], L_aux). Weights are global: w_up [E, R, W], w_p [E, D, W], w_o [E, W, D].
@@ -96,7 +96,7 @@ def reference_aoe(x_TD, w_down_DER, w_up, w_p, w_o, *, top_k, norm="l2",
         p = torch.stack([norm_of(c, norm) for c in cache])
         chosen = torch.topk(p, top_k).indices.tolist()
         p_all = torch.softmax(p, dim=0)
-        if weight_mode == "topk_softmax":
+        if selection == "topk_softmax":
             weights = torch.softmax(p[chosen], dim=0)
         else:
             weights = p_all[chosen]
@@ -130,8 +130,8 @@ def build_aoe_layer(tc, *, pg_collection=None, layer_number=1, **aoe_fields):
     """An AoEMoELayer from a TransformerConfig plus AoE-only fields."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from aoe_megatron.config import from_transformer_config
-    from aoe_megatron.spec import aoe_mlp_spec
+    from aoe_megatron.moe.config import from_transformer_config
+    from aoe_megatron.models.spec import aoe_mlp_spec
 
     aoe = from_transformer_config(tc, **aoe_fields)
     layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=layer_number,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from aoe_megatron import ops
-from aoe_megatron.selection import expert_capacity, select_experts
+from aoe_megatron.moe import ops
+from aoe_megatron.moe.selection import expert_capacity, select_experts
 from tests.helpers import build_aoe_layer, make_transformer_config, run_distributed
 
 ABLATIONS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "run" / "presets" / "ablations").glob("*.yaml"))
@@ -104,7 +104,7 @@ def test_config3_router_selects_among_aoe_experts(megatron_world):
 
 
 def _variant_router(**changes):
-    from aoe_megatron.moe_router import RouterConfig, VariantRouter
+    from aoe_megatron.models.moe_router import RouterConfig, VariantRouter
 
     tc = make_transformer_config(d_model=16, d_ffn=32, num_experts=4, top_k=2)
     cfg = replace(RouterConfig(num_experts=4, top_k=2, d_model=16, alpha_aux=0.0), **changes)
@@ -169,8 +169,8 @@ def test_switch_jitter_only_in_training(megatron_world):
 
 
 def test_hash_layer_depends_only_on_the_token_id(megatron_world):
-    from aoe_megatron.model import build_gpt_model, transformer_config
-    from aoe_megatron.moe_router import VariantRouter
+    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
+    from aoe_megatron.models.moe_router import VariantRouter
 
     cfg = _shrunk("hash_moe")
     model = build_gpt_model(cfg, transformer_config(cfg), use_te=False)
@@ -311,7 +311,7 @@ def test_imitation_router_learns_from_detached_inputs_and_selects_alone(megatron
 
 def _shrunk(name: str):
     """The preset at CPU size: hidden 96 instead of 768, d_low and router widths scaled alike."""
-    from aoe_megatron.model import load_preset
+    from aoe_megatron.models.gpt import load_preset
 
     cfg = load_preset(f"ablations/{name}")
     scale = 96 / cfg.hidden_size
@@ -324,7 +324,7 @@ def _shrunk(name: str):
 
 
 def _train_step(name: str, ep: int) -> float:
-    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
 
     cfg = _shrunk(name)
     torch.manual_seed(0)
@@ -337,7 +337,7 @@ def _train_step(name: str, ep: int) -> float:
     assert all(g is not None and torch.isfinite(g).all() for g in grads), name
     assert torch.isfinite(loss), name
     if ep == 1:  # what params.py counts (README's ablation table) is what is allocated
-        from aoe_megatron.params import count_parameters
+        from aoe_megatron.models.params import count_parameters
 
         assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg).total, name
     model.eval()  # evaluation-time selections (FON, the imitation router) too

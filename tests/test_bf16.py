@@ -76,7 +76,7 @@ def test_the_deepspeed_config_of_a_bf16_run_accumulates_and_communicates_in_fp32
 def test_the_stock_router_computes_in_fp32_under_bf16(megatron_world):
     """The MoE baseline's logits (and so its softmax and top-k) in fp32, as AoE's norms are;
     megatron-core's default would compute them in the activations' bf16."""
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     cfg = load_preset("tiny", arch="moe", vocab_size=512)
     tc = transformer_config(cfg, bf16=True, params_dtype=torch.bfloat16)
@@ -92,7 +92,7 @@ def test_the_stock_router_computes_in_fp32_under_bf16(megatron_world):
 def _shares(rank, world_size, zero_stage, ep, out):
     import torch.distributed as dist
 
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
     from aoe_megatron.train import optim_state
     from aoe_megatron.train.engine import build_engine
 

@@ -89,7 +89,7 @@ def test_save_ep1_load_ep2(megatron_world, tmp_path):
 
 def _gpt_experts(model):
     """{(layer number, weight name, global expert): tensor} for this rank's AoE experts."""
-    from aoe_megatron.layer import AoEMoELayer
+    from aoe_megatron.moe.layer import AoEMoELayer
 
     out = {}
     for module in model.modules():
@@ -102,7 +102,7 @@ def _gpt_experts(model):
 
 
 def _gpt_at_ep(ep, seed):
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     cfg = load_preset("tiny", arch="aoe")
     torch.manual_seed(seed)

@@ -82,7 +82,7 @@ SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size"
 
 
 def _train(tmp: Path, name: str, ckpt_dir: Path, *extra) -> subprocess.CompletedProcess:
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     env = {**os.environ, "AOE_SUMMARY": str(tmp / f"{name}.json"), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -16,8 +16,8 @@ import pytest
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 
-from aoe_megatron import compat
-from aoe_megatron import spec as spec_mod
+from aoe_megatron.runtime import compat
+from aoe_megatron.models import spec as spec_mod
 
 
 class _BrokenTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -53,7 +53,7 @@ def test_broken_te_install_is_not_chosen(fresh_probe, monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert compat.have_transformer_engine()  # installed ...
-    with caplog.at_level(logging.WARNING, logger="aoe_megatron.compat"):
+    with caplog.at_level(logging.WARNING, logger="aoe_megatron.runtime.compat"):
         assert spec_mod.use_transformer_engine() is False  # ... but not used
         assert spec_mod.use_transformer_engine() is False
     usable, why = compat.transformer_engine_status()

@@ -6,15 +6,15 @@ from dataclasses import fields
 
 import pytest
 
-from aoe_megatron.config import (
+from aoe_megatron.moe.config import (
     AOE_ONLY_FIELDS,
     MEGATRON_FIELD_MAP,
     AoEConfig,
     from_transformer_config,
     with_overrides,
 )
-from aoe_megatron.model import ModelConfig, load_preset
-from aoe_megatron.ops import round_to_multiple
+from aoe_megatron.models.gpt import ModelConfig, load_preset
+from aoe_megatron.moe.ops import round_to_multiple
 from tests.helpers import make_transformer_config
 
 BASE = dict(num_experts=8, top_k=2, d_model=64, d_low=16, d_ffn=128)
@@ -37,8 +37,8 @@ BASE = dict(num_experts=8, top_k=2, d_model=64, d_low=16, d_ffn=128)
         ({"expert_backend": "cuda"}, "unknown AoE expert_backend"),
         ({"lean_cache": "yes"}, "lean_cache must be true or false"),
         ({"d_ffn": None}, "needs a positive d_ffn"),
-        ({"weight_mode": "sinkhorn"}, "unknown AoE selection strategy"),
-        ({"weight_mode": "top_p", "selection_options": {"p": 1.5}}, "0 < p <= 1"),
+        ({"selection": "sinkhorn"}, "unknown AoE selection strategy"),
+        ({"selection": "top_p", "selection_options": {"p": 1.5}}, "0 < p <= 1"),
         ({"selection_options": {"p": 0.5}}, "unexpected keyword"),
         ({"rank_source": "oracle"}, "unknown AoE rank_source"),
         ({"norm": "l3"}, "unknown AoE norm"),
@@ -82,11 +82,11 @@ def test_adapter_maps_every_field():
     tc = make_transformer_config(d_model=48, d_ffn=96, num_experts=6, top_k=3, ep=2,
                                  dispatcher="allgather", alpha_aux=0.02)
     aoe = from_transformer_config(tc, d_low=12, d_wide=200, norm="l1",
-                                  weight_mode="softmax_topk", cache_mode="recompute")
+                                  selection="softmax_topk", cache_mode="recompute")
     assert (aoe.num_experts, aoe.top_k, aoe.d_model, aoe.d_ffn) == (6, 3, 48, 96)
     assert (aoe.alpha_aux, aoe.dispatcher, aoe.expert_parallel_size) == (0.02, "allgather", 2)
     assert (aoe.d_low, aoe.d_wide, aoe.norm) == (12, 200, "l1")
-    assert (aoe.weight_mode, aoe.cache_mode) == ("softmax_topk", "recompute")
+    assert (aoe.selection, aoe.cache_mode) == ("softmax_topk", "recompute")
     # Every AoEConfig field is either mapped from megatron or AoE-only: none is forgotten.
     assert set(MEGATRON_FIELD_MAP) | set(AOE_ONLY_FIELDS) == {f.name for f in fields(AoEConfig)}
     for ours, theirs in MEGATRON_FIELD_MAP.items():
@@ -109,7 +109,7 @@ def test_overrides_are_validated():
 
 
 def test_named_presets_are_variants_of_two_bases(tmp_path):
-    from aoe_megatron.params import count_parameters
+    from aoe_megatron.models.params import count_parameters
 
     for size in ("732m", "4b"):
         for arch in ("aoe", "moe"):

@@ -19,7 +19,7 @@ def _train(rank, world_size, arch, zero_stage, ep, out_dir):
         clear_aux_losses_tracker,
     )
 
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
     from aoe_megatron.train.engine import build_engine
 
     cfg = load_preset("tiny", arch=arch, seq_length=32)

@@ -33,7 +33,7 @@ SETTINGS = ["--preset", "tiny", "--expert-parallel-size", "2", "--global-batch-s
 
 def _launch(args, *, summary=None) -> subprocess.CompletedProcess:
     """Two CPU ranks through torchrun; bounded in time."""
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     env = {**os.environ, **({"AOE_SUMMARY": str(summary)} if summary else {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from aoe_megatron import ops
-from aoe_megatron.selection import register_selection, select_experts, selection_strategies
+from aoe_megatron.moe import ops
+from aoe_megatron.moe.selection import register_selection, select_experts, selection_strategies
 
 NORMS = torch.tensor([[3.0, 1.0, 2.0, 0.5], [0.1, 0.2, 4.0, 3.0], [1.0, 5.0, 0.0, 2.0]])
 

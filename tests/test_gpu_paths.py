@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from aoe_megatron import compat, distributed
+from aoe_megatron.runtime import compat
+from aoe_megatron.runtime import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,7 +135,7 @@ SOFTMAX_KERNELS = ("scaled_upper_triang_masked_softmax_cuda", "scaled_masked_sof
 def test_softmax_fusion_only_where_its_kernels_import(fake_cuda, monkeypatch):
     """megatron-core's fused softmax imports apex's compiled kernels at the first bf16 forward:
     without them the model must be built with the fusion off."""
-    from aoe_megatron.model import load_preset, transformer_config
+    from aoe_megatron.models.gpt import load_preset, transformer_config
 
     for name in SOFTMAX_KERNELS:
         monkeypatch.setitem(sys.modules, name, None)  # import fails, as without apex
@@ -170,6 +171,23 @@ def test_local_rank_maps_onto_the_devices_a_task_sees(fake_cuda, monkeypatch):
     assert distributed.local_device_index() == 3
 
 
+def test_reading_the_world_size_writes_nothing(monkeypatch):
+    """A bare srun: the world size comes from SLURM_NTASKS, and asking for it leaves the
+    environment as it was (``adopt_slurm_env``, called once by the entry point, writes it)."""
+    from aoe_megatron.train.config import world_size_from_env
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("SLURM_PROCID", "5")
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    before = dict(os.environ)
+    assert world_size_from_env() == 16
+    assert dict(os.environ) == before
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a launcher's own word wins
+    assert world_size_from_env() == 4
+
+
 # ---- on a GPU (tools/gpu_check.sh) ----------------------------------------------------------
 
 @pytest.mark.gpu
@@ -195,7 +213,7 @@ def test_cuda_training_collectives_on_nccl(megatron_world):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_forward_with_the_softmax_gate(megatron_world):
     """A bf16 forward of shapes the fused softmax takes (it needs apex's kernels when enabled)."""
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     cfg = load_preset("tiny")
     tc = transformer_config(cfg, bf16=True, params_dtype=torch.bfloat16)

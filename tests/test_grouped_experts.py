@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from aoe_megatron import grouped, kernels, ops
+from aoe_megatron.moe import grouped
+from aoe_megatron.moe import autograd
+from aoe_megatron.moe import ops
 from tests.helpers import build_aoe_layer, make_transformer_config, reference_aoe
 
 D, R, W, L = 16, 8, 24, 4
@@ -73,7 +75,7 @@ def test_grouped_experts_equal_the_autograd_loop(backend, factorized, recompute_
     assert groups.name == backend
 
     def lean(v):
-        return kernels.grouped_experts(
+        return autograd.grouped_experts(
             v["rows"], probs_N=v["probs"], groups=groups, d_model=D, w_up=v["w_up"],
             w_p=v["w_p"], w_o=v["w_o"], w_down_LDR=v["w_down"] if recompute_cache else None,
             factorized=factorized, recompute_low_rank=recompute_low_rank)
@@ -115,7 +117,7 @@ def test_expert_kernel_keeps_rows_projections_and_probs_only(recompute_low_rank)
     w = {k: v.requires_grad_(True) for k, v in _weights("gate").items()}
     groups = grouped.make_groups(COUNTS, backend="loop", device=rows.device, dtype=rows.dtype,
                                  widths=(D, R, W))
-    saved = _saved_activation_bytes(lambda: kernels.grouped_experts(
+    saved = _saved_activation_bytes(lambda: autograd.grouped_experts(
         rows, probs_N=probs, groups=groups, d_model=D, w_up=w["w_up"], w_p=w["w_p"],
         w_o=w["w_o"], recompute_low_rank=recompute_low_rank), list(w.values()))
     wide = 1 if recompute_low_rank else 2  # x W_p, and C W_up unless recomputed
@@ -137,7 +139,7 @@ def test_cache_and_norms_equal_autograd_and_keep_x_only(order, use_cache):
     for lean in (True, False):
         xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         if lean:
-            cache, norms = kernels.cache_and_norms(xl, w_down_DER=wl, num_experts=e, order=order)
+            cache, norms = autograd.cache_and_norms(xl, w_down_DER=wl, num_experts=e, order=order)
         else:
             cache = ops.low_rank_cache(xl, w_down_DER=wl, num_experts=e)
             norms = ops.expert_norms(cache, order=order)
@@ -148,7 +150,7 @@ def test_cache_and_norms_equal_autograd_and_keep_x_only(order, use_cache):
         assert_close(got, want, rtol=1e-12, atol=1e-12, msg=what)
     xl, wl = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     saved = _saved_activation_bytes(
-        lambda: kernels.cache_and_norms(xl, w_down_DER=wl, num_experts=e, order=order)[1], [wl])
+        lambda: autograd.cache_and_norms(xl, w_down_DER=wl, num_experts=e, order=order)[1], [wl])
     assert saved == x.nbytes  # x only: the [T, E * R] cache is recomputed in backward
 
 
@@ -186,7 +188,7 @@ def test_bf16_grouped_mm_tracks_the_loop():
     for backend in ("loop", "grouped_mm"):
         groups = grouped.make_groups(COUNTS, backend=backend, device=rows.device,
                                      dtype=torch.bfloat16, widths=(D, R, W))
-        outs.append(kernels.grouped_experts(rows, probs_N=probs, groups=groups, d_model=D,
+        outs.append(autograd.grouped_experts(rows, probs_N=probs, groups=groups, d_model=D,
                                             w_up=w["w_up"], w_p=w["w_p"], w_o=w["w_o"]))
     assert outs[0].dtype == torch.bfloat16
     assert_close(outs[1].float(), outs[0].float(), rtol=2e-2, atol=2e-2)
@@ -224,7 +226,7 @@ def test_cuda_grouped_mm_bf16_matches_loop():
     for backend in ("loop", "grouped_mm"):
         groups = grouped.make_groups(counts, backend=backend, device=dev, dtype=torch.bfloat16,
                                      widths=(64, 16, 96))
-        out = kernels.grouped_experts(rows, probs_N=probs, groups=groups, d_model=64, **w)
+        out = autograd.grouped_experts(rows, probs_N=probs, groups=groups, d_model=64, **w)
         out.float().square().sum().backward()
         outs.append(out.detach().float())
         grads.append({k: v.grad.float().clone() for k, v in w.items()})
@@ -248,7 +250,7 @@ def _backward_without_tokens(device: str, counts):
          for k, s in shapes.items()}
     groups = grouped.make_groups(counts, backend="grouped_mm", device=dev, dtype=dt,
                                  widths=(64, 16, 96))
-    out = kernels.grouped_experts(rows, probs_N=probs, groups=groups, d_model=64, **w)
+    out = autograd.grouped_experts(rows, probs_N=probs, groups=groups, d_model=64, **w)
     out.float().square().sum().backward()
     assert out.shape == (n, 64)
     for name, v in w.items():

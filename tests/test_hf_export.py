@@ -45,7 +45,7 @@ _TRAINED: dict = {}
 def trained_checkpoint(arch: str, corpus, tmp_path_factory) -> Path:
     """A tiny model of ``arch`` trained 3 steps at EP=2 over two processes (ZeRO-1)."""
     if arch not in _TRAINED:
-        from aoe_megatron.distributed import free_port
+        from aoe_megatron.runtime.distributed import free_port
 
         out = tmp_path_factory.mktemp(f"train_{arch}")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
@@ -61,7 +61,7 @@ def trained_checkpoint(arch: str, corpus, tmp_path_factory) -> Path:
 
 
 def megatron_model(step_dir: Path):
-    from aoe_megatron.model import ModelConfig, build_gpt_model, transformer_config
+    from aoe_megatron.models.gpt import ModelConfig, build_gpt_model, transformer_config
     from aoe_megatron.train.checkpoint import load_model_weights
 
     cfg = ModelConfig.from_dict(json.loads((step_dir / "state.json").read_text())["config"]["model"])
@@ -267,8 +267,8 @@ _SAVE_BIG = """
 import sys, json, torch
 from pathlib import Path
 from megatron.core import dist_checkpointing
-from aoe_megatron.distributed import init_megatron
-from aoe_megatron.model import load_preset, build_gpt_model, transformer_config
+from aoe_megatron.runtime.distributed import init_megatron
+from aoe_megatron.models.gpt import load_preset, build_gpt_model, transformer_config
 from dataclasses import asdict
 init_megatron()
 hidden = int(sys.argv[3])

@@ -129,7 +129,7 @@ def _fork_then_die(rank, port, pids):
     then waits in a barrier for it."""
     import torch.distributed as dist
 
-    from aoe_megatron.distributed import init_megatron
+    from aoe_megatron.runtime.distributed import init_megatron
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), WORLD_SIZE="2")

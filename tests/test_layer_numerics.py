@@ -23,7 +23,7 @@ def _run_layer(layer, x_SBD, grad_SBD):
     return out.detach(), aux, x.grad, grads
 
 
-def _run_reference(layer, x_SBD, grad_SBD, *, top_k, norm, weight_mode, alpha_aux):
+def _run_reference(layer, x_SBD, grad_SBD, *, top_k, norm, selection, alpha_aux):
     params = {
         "w_down": layer.router.weight, "w_up": layer.experts.w_up,
         "w_p": layer.experts.w_p, "w_o": layer.experts.w_o,
@@ -32,7 +32,7 @@ def _run_reference(layer, x_SBD, grad_SBD, *, top_k, norm, weight_mode, alpha_au
     x = x_SBD.detach().double().clone().requires_grad_(True)
     out, aux = reference_aoe(
         x.reshape(-1, D), ref["w_down"], ref["w_up"], ref["w_p"], ref["w_o"], top_k=top_k,
-        norm=norm, weight_mode=weight_mode, alpha_aux=alpha_aux,
+        norm=norm, selection=selection, alpha_aux=alpha_aux,
     )
     ((out.reshape(x.shape) * grad_SBD.double()).sum() + aux).backward()
     return out.reshape(x.shape).detach(), torch.as_tensor(aux).detach(), x.grad, {
@@ -49,17 +49,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("norm,weight_mode,alpha_aux", CASES)
+@pytest.mark.parametrize("norm,selection,alpha_aux", CASES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
-def test_layer_matches_algorithm_2(seeded, norm, weight_mode, alpha_aux, dtype, tol):
+def test_layer_matches_algorithm_2(seeded, norm, selection, alpha_aux, dtype, tol):
     tc = make_transformer_config(d_model=D, d_ffn=F_FFN, num_experts=E, top_k=K,
                                  alpha_aux=alpha_aux, dtype=dtype)
-    layer = build_aoe_layer(tc, d_low=R, d_wide=W, norm=norm, weight_mode=weight_mode)
+    layer = build_aoe_layer(tc, d_low=R, d_wide=W, norm=norm, selection=selection)
     x = torch.randn(5, 3, D, dtype=dtype)
     g = torch.randn(5, 3, D, dtype=dtype)
     out, aux, gx, grads = _run_layer(layer, x, g)
     r_out, r_aux, r_gx, r_grads = _run_reference(
-        layer, x, g, top_k=K, norm=norm, weight_mode=weight_mode, alpha_aux=alpha_aux
+        layer, x, g, top_k=K, norm=norm, selection=selection, alpha_aux=alpha_aux
     )
     kw = dict(rtol=tol, atol=tol)
     assert_close(out.double(), r_out, msg="layer output differs from Algorithm 2", **kw)
@@ -80,7 +80,7 @@ def test_dispatchers_and_cache_modes_match_reference(seeded, cache_mode, dispatc
     x, g = torch.randn(4, 2, D, dtype=torch.float64), torch.randn(4, 2, D, dtype=torch.float64)
     out, aux, gx, grads = _run_layer(layer, x, g)
     r_out, r_aux, r_gx, r_grads = _run_reference(
-        layer, x, g, top_k=K, norm="l2", weight_mode="topk_softmax", alpha_aux=0.01
+        layer, x, g, top_k=K, norm="l2", selection="topk_softmax", alpha_aux=0.01
     )
     assert_close(out, r_out, rtol=1e-10, atol=1e-10)
     assert_close(aux, r_aux, rtol=1e-10, atol=1e-10)

@@ -106,7 +106,7 @@ def _reference_losses(model, windows, force):
 
 
 def test_forced_expert_losses_match_a_float64_reference(megatron_world):
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     cfg = load_preset("tiny", vocab_size=96, hidden_size=32, ffn_hidden_size=64, seq_length=12,
                       aoe={"d_low": 8})
@@ -193,7 +193,7 @@ def moe_export(corpus, tmp_path_factory, megatron_world):  # noqa: F811
     from megatron.core import dist_checkpointing
 
     from aoe_megatron.hf.convert import export_to_hf
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     root = tmp_path_factory.mktemp("moe")
     cfg = load_preset("tiny", arch="moe")

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from aoe_megatron.model import load_preset
-from aoe_megatron.params import count_parameters, main
+from aoe_megatron.models.gpt import load_preset
+from aoe_megatron.models.params import count_parameters, main
 
 
 @pytest.mark.parametrize("arch", ["moe", "aoe"])

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-import patches
-from patches import (
+from aoe_megatron import _patches as patches
+from aoe_megatron._patches import (
     ALL_PATCHES,
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_state_dict_saver,

@@ -31,7 +31,7 @@ BF16_TOL = 2e-4
 
 def _train(tmp: Path, name: str, *, world: int, ep: int, zero: int = 2, ckpt: Path,
            extra: tuple = ()) -> dict:
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     summary = tmp / f"{name}.json"
     env = {**os.environ, "AOE_SUMMARY": str(summary), "OMP_NUM_THREADS": "1"}

@@ -89,7 +89,7 @@ def _small_corpus(tmp_path) -> Path:
 def _template_env(cluster, tmp_path, data, *, steps: int, extra: str) -> dict:
     """The template's settings: two nodes x one process, tiny preset, EP=2; DEVICE=cpu, as the
     local cluster has no GPUs (the one CPU per node Slurm gives the job covers the one process)."""
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     return {**cluster, "NODES": "2", "GPUS_PER_NODE": "1", "DEVICE": "cpu", "PRESET": "tiny",
             "DATA": str(data), "EP": "2", "ZERO": "1", "TRAIN_STEPS": str(steps),
@@ -198,7 +198,7 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
     Periodic saves (every 4 steps) come before the warning: the save it asks for must still
     work although Slurm signals every process of the step (``checkpoint.start_writer``).
     """
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     steps, hold_at = 24, 8
     data = _small_corpus(tmp_path)

@@ -187,7 +187,7 @@ def test_the_default_study_is_the_issue_s_design():
     assert len(study.seeds) >= 3 and study.baseline == "moe"
     models = {a.name: a.model for a in study.arms}
     assert models["moe"].arch == "moe" and models["aoe"].aoe_config(2).rank_source == "cache"
-    assert models["random"].aoe_config().weight_mode == "random"
+    assert models["random"].aoe_config().selection == "random"
     assert models["frozen"].aoe_config().rank_source == "frozen_random"
     assert models["config3"].aoe_config().rank_source == "router"
     assert any(a.expert_parallel_size == 2 and a.world_size == 2 for a in study.arms)

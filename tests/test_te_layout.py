@@ -30,7 +30,7 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from aoe_megatron import spec as spec_mod
+from aoe_megatron.models import spec as spec_mod
 from tests.test_hf_export import corpus  # noqa: F401  (fixture: a tokenized corpus and its manifest)
 
 
@@ -111,7 +111,7 @@ def cpu_te(monkeypatch):
 
 
 def _tiny(arch: str):
-    from aoe_megatron.model import load_preset, transformer_config
+    from aoe_megatron.models.gpt import load_preset, transformer_config
 
     cfg = load_preset("tiny", arch=arch)
     return cfg, transformer_config(cfg, use_cpu_initialization=True)
@@ -138,7 +138,7 @@ def _te_model(arch: str, *, stock: bool, monkeypatch):
     """A tiny ``arch`` model built by our TE spec, its norms randomised. ``stock``: megatron-core's
     TE keys map left as is (what stock Megatron-LM saves; old code has no align_norm_keys and
     leaves it so anyway)."""
-    from aoe_megatron.model import build_gpt_model
+    from aoe_megatron.models.gpt import build_gpt_model
 
     if stock:
         monkeypatch.setattr(spec_mod, "align_norm_keys", lambda spec, reference: spec, raising=False)
@@ -183,7 +183,7 @@ def test_te_checkpoint_has_the_local_layout_and_loads_without_te(cpu_te, megatro
                                                                  monkeypatch):
     """Our TE spec saves every norm under the local spec's key, so a model built without TE loads
     a TE-written checkpoint; megatron-core's TE spec as is would save pre_mlp_layernorm apart."""
-    from aoe_megatron.model import build_gpt_model
+    from aoe_megatron.models.gpt import build_gpt_model
     from aoe_megatron.train.checkpoint import load_model_weights
 
     cfg, te_model = _te_model("aoe", stock=False, monkeypatch=monkeypatch)

@@ -40,7 +40,7 @@ def _torchrun(args, *, port, env_extra=None, log=None):
 
 
 def _free_port():
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     return free_port()
 
@@ -114,7 +114,7 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
 
 
 def _crash_during_save(rank, world_size, ckpt_dir):
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train.engine import build_engine
 
@@ -226,7 +226,7 @@ def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):
 def test_selection_statistics_for_both_architectures(megatron_world, arch):
     import math
 
-    from aoe_megatron.model import build_gpt_model, load_preset
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset
     from aoe_megatron.train.metrics import attach_stock_router_stats, selection_stats
 
     cfg = load_preset("tiny", arch=arch, vocab_size=512)

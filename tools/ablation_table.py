@@ -14,8 +14,8 @@ of Config 3; top-P and expert choice use a varying number of experts per token.
 import sys
 from pathlib import Path
 
-from aoe_megatron.model import PRESET_DIR, load_preset
-from aoe_megatron.params import count_parameters
+from aoe_megatron.models.gpt import PRESET_DIR, load_preset
+from aoe_megatron.models.params import count_parameters
 
 BASELINE = "ablations/c02_moe_aux"
 VARYING = {"top_p": "varies per token (p = {p})", "expert_choice": "varies per token (capacity factor {capacity_factor})"}
@@ -53,7 +53,7 @@ def main() -> int:
         name = f"ablations/{path.stem}"
         cfg = load_preset(name)
         count = count_parameters(cfg)
-        mode = cfg.aoe.weight_mode if cfg.arch == "aoe" else cfg.router.weight_mode
+        mode = cfg.aoe.selection if cfg.arch == "aoe" else cfg.router.selection
         options = cfg.aoe.selection_options if cfg.arch == "aoe" else cfg.router.selection_options
         flops = (VARYING[mode].format(**options) if mode in VARYING
                  else f"{flop_weights(cfg) / base_flops - 1:+.1%}")

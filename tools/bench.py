@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from aoe_megatron.compat import quiet_cpu_fallback_warnings, transformer_engine_usable
+    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings, transformer_engine_usable
 
     quiet_cpu_fallback_warnings()
     cuda = torch.cuda.is_available()
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     have_te = device == "cuda" and transformer_engine_usable()  # imports and runs
     if args.te == "on" and not have_te:
         ap.error("--te on needs CUDA and a TransformerEngine that imports and runs there "
-                 "(aoe_megatron.compat.transformer_engine_status says why not)")
+                 "(aoe_megatron.runtime.compat.transformer_engine_status says why not)")
     use_te = have_te if args.te == "auto" else args.te == "on"
 
     from aoe_megatron.bench import ep, fresh, layer, model, report
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
-    from aoe_megatron.distributed import init_megatron, shutdown
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     command = " ".join(["tools/bench.py", *(shlex.quote(a) for a in argv)])
     log(f"{command}: device {device}, dtype {dtype_name}, TE {'on' if use_te else 'off'}, "

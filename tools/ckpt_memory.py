@@ -35,7 +35,7 @@ PEAK = re.compile(r"host memory peak \+([\d.]+) GiB")
 
 
 def _run(args, ckpt: Path, run_dir: Path, steps: int) -> str:
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world),
            "--master_port", str(free_port()), "-m", "aoe_megatron.train", "--preset", "tiny",
@@ -61,9 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="results JSON")
     args = ap.parse_args(argv)
 
-    from aoe_megatron.params import count_parameters
+    from aoe_megatron.models.params import count_parameters
     from aoe_megatron.train.config import parse_overrides
-    from aoe_megatron.model import load_preset
+    from aoe_megatron.models.gpt import load_preset
 
     overrides = parse_overrides(SHAPES["quick" if args.quick else "large"][1::2])
     params = count_parameters(load_preset("tiny", **overrides)).total

@@ -5,10 +5,10 @@
     python tools/count_params.py 4b --arch aoe --json
     python tools/count_params.py run/presets/732m.yaml --d-low 128
 
-Same as `python -m aoe_megatron.params` and the `aoe-count-params` command.
+Same as `python -m aoe_megatron.models.params` and the `aoe-count-params` command.
 """
 
-from aoe_megatron.params import main
+from aoe_megatron.models.params import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     _check(ap, args)
-    from aoe_megatron.compat import quiet_cpu_fallback_warnings
+    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
 
     quiet_cpu_fallback_warnings()
     try:

@@ -25,7 +25,7 @@ class LayerShape:
 
     @property
     def d_wide(self) -> int:
-        from aoe_megatron.ops import d_wide_for_parity
+        from aoe_megatron.moe.ops import d_wide_for_parity
 
         return d_wide_for_parity(d_model=self.d_model, d_ffn=self.d_ffn, d_low=self.d_low)
 
@@ -73,7 +73,7 @@ def build_moe(tc, *, device: str, use_te: bool):
     """megatron-core's own MoE layer, as its GPT layer spec builds it."""
     from megatron.core.transformer.spec_utils import build_module
 
-    from aoe_megatron.spec import moe_layer_spec
+    from aoe_megatron.models.spec import moe_layer_spec
 
     spec = moe_layer_spec(tc.num_moe_experts, use_te=use_te)
     return build_module(spec.submodules.mlp, config=tc, layer_number=1).to(device)
@@ -82,8 +82,8 @@ def build_moe(tc, *, device: str, use_te: bool):
 def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
     from megatron.core.transformer.spec_utils import build_module
 
-    from aoe_megatron.config import from_transformer_config
-    from aoe_megatron.spec import aoe_mlp_spec
+    from aoe_megatron.moe.config import from_transformer_config
+    from aoe_megatron.models.spec import aoe_mlp_spec
 
     aoe = from_transformer_config(tc, d_low=shape.d_low, **aoe_fields)
     layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=1)
@@ -104,7 +104,7 @@ def train_step(layer, x, g) -> None:
 def arm_d_wide(shape: LayerShape, arm: str) -> int:
     """The arm's d_wide: Eq. 5, rounded to the arm's d_wide_multiple as its d_wide_round says
     (the rounding AoEConfig applies; ``layer._build_arms`` checks the built layer against it)."""
-    from aoe_megatron.ops import round_to_multiple
+    from aoe_megatron.moe.ops import round_to_multiple
 
     fields = ARM_FIELDS[arm] or {}
     return round_to_multiple(shape.d_wide, multiple=fields.get("d_wide_multiple", 1),
@@ -124,7 +124,7 @@ def expert_params(shape: LayerShape, arm: str) -> int:
 def arm_skips(shape: LayerShape, *, device: str, dtype: torch.dtype) -> dict[str, str]:
     """The arms that do not apply at a shape, each with why: grouped_mm where torch._grouped_mm
     cannot run it, a rounded d_wide where rounding leaves Eq. 5's d_wide as it is."""
-    from aoe_megatron.grouped import grouped_mm_supports
+    from aoe_megatron.moe.grouped import grouped_mm_supports
 
     skips = {}
     widths = (shape.d_model, shape.d_low, shape.d_wide)

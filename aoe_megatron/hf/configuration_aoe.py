@@ -5,10 +5,12 @@ Written next to the weights by ``tools/convert_to_hf.py``; loaded with
 transformers, so the exported folder works without aoe-megatron installed.
 """
 
+import warnings
+
 from transformers import PretrainedConfig
 
 NORM_ORDERS = ("l2", "l1", "linf")
-WEIGHT_MODES = ("topk_softmax", "softmax_topk")
+SELECTIONS = ("topk_softmax", "softmax_topk")
 
 
 class AoEConfig(PretrainedConfig):
@@ -16,9 +18,10 @@ class AoEConfig(PretrainedConfig):
 
     Per layer and token x: every expert i computes its cache C_i = x W_down^i (width ``d_low``);
     experts are ranked by ||C_i|| (``norm``), the top ``num_experts_per_tok`` continue with
-    (SiLU(C_i W_up^i) * x W_p^i) W_o^i (width ``d_wide``), weighted by ``weight_mode``:
+    (SiLU(C_i W_up^i) * x W_p^i) W_o^i (width ``d_wide``), weighted by ``selection``:
     "topk_softmax" (softmax over the selected norms, the paper's Algorithm 2) or "softmax_topk"
-    (softmax over all norms, the selected weights kept unnormalised).
+    (softmax over all norms, the selected weights kept unnormalised). ``selection`` was called
+    ``weight_mode`` before: a config.json with that key still loads (with a DeprecationWarning).
     """
 
     model_type = "aoe"
@@ -37,7 +40,7 @@ class AoEConfig(PretrainedConfig):
         d_low: int = 256,
         d_wide: int = 1024,
         norm: str = "l2",
-        weight_mode: str = "topk_softmax",
+        selection: str | None = None,
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
@@ -51,8 +54,16 @@ class AoEConfig(PretrainedConfig):
     ):
         if norm not in NORM_ORDERS:
             raise ValueError(f"norm must be one of {NORM_ORDERS}, got {norm!r}")
-        if weight_mode not in WEIGHT_MODES:
-            raise ValueError(f"weight_mode must be one of {WEIGHT_MODES}, got {weight_mode!r}")
+        if "weight_mode" in kwargs:  # config.json files exported before the rename
+            if selection is not None:
+                raise ValueError("the AoE config sets both 'weight_mode' and 'selection': "
+                                 "'weight_mode' is the old name of 'selection'; keep 'selection' only.")
+            warnings.warn("AoE config: 'weight_mode' is deprecated, renamed 'selection'.",
+                          DeprecationWarning, stacklevel=2)
+            selection = kwargs.pop("weight_mode")
+        selection = "topk_softmax" if selection is None else selection
+        if selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
         if not 0 < num_experts_per_tok <= num_experts:
             raise ValueError(f"num_experts_per_tok={num_experts_per_tok} must be in [1, {num_experts}]")
         self.vocab_size = vocab_size
@@ -66,7 +77,7 @@ class AoEConfig(PretrainedConfig):
         self.d_low = d_low
         self.d_wide = d_wide
         self.norm = norm
-        self.weight_mode = weight_mode
+        self.selection = selection
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps

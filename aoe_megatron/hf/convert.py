@@ -128,7 +128,7 @@ def _links(cfg, num_query_groups: int) -> list:
 
 
 def _model_config(raw: dict):
-    from aoe_megatron.model import ModelConfig
+    from aoe_megatron.models.gpt import ModelConfig
 
     try:
         return ModelConfig.from_dict(raw)
@@ -137,7 +137,7 @@ def _model_config(raw: dict):
 
 
 def _check_exportable(cfg) -> None:
-    from aoe_megatron.hf.configuration_aoe import NORM_ORDERS, WEIGHT_MODES
+    from aoe_megatron.hf.configuration_aoe import NORM_ORDERS, SELECTIONS
 
     if cfg.arch == "aoe":
         if cfg.aoe.factorized != "gate":
@@ -151,10 +151,10 @@ def _check_exportable(cfg) -> None:
                 f"rank_source={cfg.aoe.rank_source!r} is a training control; the Hugging Face AoE "
                 f"model ranks experts by their cache norm only"
             )
-        if cfg.aoe.weight_mode not in WEIGHT_MODES or cfg.aoe.norm not in NORM_ORDERS:
+        if cfg.aoe.selection not in SELECTIONS or cfg.aoe.norm not in NORM_ORDERS:
             raise ConversionError(
-                f"the Hugging Face AoE model implements selection {WEIGHT_MODES} with norms "
-                f"{NORM_ORDERS}; this checkpoint uses weight_mode={cfg.aoe.weight_mode!r}, "
+                f"the Hugging Face AoE model implements selection {SELECTIONS} with norms "
+                f"{NORM_ORDERS}; this checkpoint uses selection={cfg.aoe.selection!r}, "
                 f"norm={cfg.aoe.norm!r}"
             )
     elif not cfg.router.is_stock:
@@ -310,7 +310,7 @@ def _hf_config(cfg, *, num_query_groups: int, d_wide: int, dtype: torch.dtype, t
         from aoe_megatron.hf.configuration_aoe import AoEConfig
 
         config = AoEConfig(num_experts=cfg.num_experts, d_low=cfg.aoe.d_low, d_wide=d_wide,
-                           norm=cfg.aoe.norm, weight_mode=cfg.aoe.weight_mode, rope_theta=ROPE_THETA,
+                           norm=cfg.aoe.norm, selection=cfg.aoe.selection, rope_theta=ROPE_THETA,
                            architectures=["AoEForCausalLM"], **common)
         config.auto_map = {"AutoConfig": "configuration_aoe.AoEConfig",
                            "AutoModelForCausalLM": "modeling_aoe.AoEForCausalLM"}
@@ -420,7 +420,10 @@ def _hf_model_config(config: dict):
         return _model_config({**common, "arch": "aoe", "num_experts": config["num_experts"],
                               "ffn_hidden_size": config["d_wide"],
                               "aoe": {"d_low": config["d_low"], "d_wide": config["d_wide"],
-                                      "norm": config["norm"], "weight_mode": config["weight_mode"]}})
+                                      "norm": config["norm"],
+                                      # "weight_mode": exported before the rename (it warns)
+                                      **{k: config[k] for k in ("selection", "weight_mode")
+                                         if k in config}}})
     if kind == "mixtral":
         return _model_config({**common, "arch": "moe", "num_experts": config["num_local_experts"],
                               "ffn_hidden_size": config["intermediate_size"]})
@@ -473,8 +476,8 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from aoe_megatron.distributed import init_megatron, shutdown
-    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
+    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
 
     folder = Path(folder)
     if not (folder / "config.json").is_file():

@@ -144,7 +144,7 @@ class AoEMLP(nn.Module):
         super().__init__()
         d, e, r, w = config.hidden_size, config.num_experts, config.d_low, config.d_wide
         self.num_experts, self.top_k, self.d_low = e, config.num_experts_per_tok, r
-        self.norm, self.weight_mode = config.norm, config.weight_mode
+        self.norm, self.selection = config.norm, config.selection
         self.w_down = nn.Parameter(torch.empty(d, e * r))
         self.w_up = nn.Parameter(torch.empty(e, r, w))
         self.w_p = nn.Parameter(torch.empty(e, d, w))
@@ -153,7 +153,7 @@ class AoEMLP(nn.Module):
     def select(self, norms: torch.Tensor):
         """(expert indices [T, K], weights [T, K]) from the per-expert norms [T, E]."""
         top = torch.topk(norms, self.top_k, dim=-1)
-        if self.weight_mode == "topk_softmax":
+        if self.selection == "topk_softmax":
             weights = torch.softmax(top.values, dim=-1)
         else:  # softmax_topk
             weights = torch.softmax(norms, dim=-1).gather(-1, top.indices)

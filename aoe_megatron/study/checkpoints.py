@@ -34,7 +34,7 @@ def resolve_checkpoint(path) -> Path:
 
 
 def load_model(step_dir: Path, cfg, *, device=None, dtype: str = "fp32"):
-    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
     from aoe_megatron.train.checkpoint import load_model_weights
 
     extra = {"bf16": True, "params_dtype": torch.bfloat16} if dtype == "bf16" else {}
@@ -50,7 +50,7 @@ def megatron_world(seed: int = 0):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from aoe_megatron.distributed import init_megatron, shutdown
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     started = not (dist.is_initialized() and parallel_state.model_parallel_is_initialized())
     if started:

@@ -31,8 +31,8 @@ def load_model(ckpt) -> tuple:
     one-rank megatron world (started here if none is up)."""
     import torch.distributed as dist
 
-    from aoe_megatron.distributed import free_port, init_megatron
-    from aoe_megatron.model import ModelConfig
+    from aoe_megatron.runtime.distributed import free_port, init_megatron
+    from aoe_megatron.models.gpt import ModelConfig
 
     path = checkpoints.resolve_checkpoint(ckpt)
     state = json.loads((path / "state.json").read_text())
@@ -102,7 +102,7 @@ def evaluate(ckpt, data: str, settings: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.compat import quiet_cpu_fallback_warnings
+    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="a checkpoint, or a checkpoint directory (its latest)")
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        from aoe_megatron.distributed import shutdown
+        from aoe_megatron.runtime.distributed import shutdown
 
         shutdown()
     tmp = args.output.with_suffix(".partial")

@@ -130,7 +130,7 @@ class ExpertForcing:
             del layer.route  # back to the class's method
 
     def _wrap(self, index: int, layer, original):
-        from aoe_megatron import ops
+        from aoe_megatron.moe import ops
 
         def route(hidden_states, padding_mask=None):
             probs_TE, map_TE = original(hidden_states, padding_mask)
@@ -150,7 +150,7 @@ class ExpertForcing:
 
 
 def aoe_layers(model) -> list:
-    from aoe_megatron.layer import AoEMoELayer
+    from aoe_megatron.moe.layer import AoEMoELayer
 
     layers = [layer.mlp for layer in model.decoder.layers]
     if not all(isinstance(m, AoEMoELayer) for m in layers):
@@ -200,7 +200,7 @@ def probe_model(model, windows: torch.Tensor, *, batch_size: int = 8, seed: int 
         out_layers.append({"layer": i + 1, **layer_metrics(torch.cat(norms[i]).numpy(), losses_NE)})
     aoe = layers[0].aoe
     return {"num_layers": num_layers, "num_experts": num_experts, "top_k": aoe.top_k,
-            "norm": aoe.norm, "weight_mode": aoe.weight_mode, "sequences": int(windows.shape[0]),
+            "norm": aoe.norm, "selection": aoe.selection, "sequences": int(windows.shape[0]),
             "seq_length": int(windows.shape[1] - 1), "tokens": int(torch.cat(unforced).numel()),
             "unforced_loss": float(torch.cat(unforced).double().mean()),
             "intervention": INTERVENTION, "layers": out_layers}
@@ -210,7 +210,7 @@ def probe_config(raw: dict, where=""):
     """The ModelConfig to probe with; refuses models the norm ranking does not apply to. The
     evaluation-time selection is set to "norm" (what the model trained with): "fon" and the
     imitation router select otherwise at evaluation, but the cache norms are what is tested."""
-    from aoe_megatron.model import ModelConfig
+    from aoe_megatron.models.gpt import ModelConfig
 
     cfg = ModelConfig.from_dict(raw)
     if cfg.arch != "aoe":
@@ -246,8 +246,8 @@ def probe_checkpoint(ckpt, windows: torch.Tensor, *, batch_size: int = 8, seed: 
     if configured != "norm":
         notes.append(f"the model evaluates with inference_selection={configured!r}; the probe uses "
                      f"the norm selection it trained with")
-    if cfg.aoe.weight_mode == "random":
-        notes.append("weight_mode 'random' (the control): experts were drawn at random in training, "
+    if cfg.aoe.selection == "random":
+        notes.append("selection 'random' (the control): experts were drawn at random in training, "
                      "the norms only weighted them; unforced layers draw at random (the same draws "
                      "in every forward)")
     unique = int(torch.unique(windows, dim=0).shape[0])

@@ -61,7 +61,7 @@ def probe_summary(probes: dict) -> list:
 
 
 def collect(study: Study, out: Path, results: dict, *, wall_seconds: float, command: str) -> dict:
-    from aoe_megatron.params import count_parameters
+    from aoe_megatron.models.params import count_parameters
 
     doc = {"study": study.name, "quick": study.quick, "description": study.description,
            "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

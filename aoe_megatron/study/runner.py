@@ -187,7 +187,7 @@ def table1_probe(study: Study, out: Path, *, echo=print) -> dict | None:
 def run_study(study: Study, out: Path, *, echo=print) -> dict:
     """Every arm x seed, seed-major (a partial study has whole seeds to compare); returns
     {arm: {seed: {"record", "eval"}}}."""
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     results: dict = {a.name: {} for a in study.arms}
     total = len(study.arms) * len(study.seeds)

@@ -31,7 +31,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aoe_megatron.model import ModelConfig, _merge
+from aoe_megatron.models.gpt import ModelConfig, _merge
+from aoe_megatron.models.settings import SECTIONS, upgrade_sections
+from aoe_megatron.moe.config import LEGACY_KEYS
 
 STUDY_DIR = Path(__file__).resolve().parents[2] / "run" / "studies"
 TOP_KEYS = {"name", "description", "data", "model", "train", "seeds", "baseline", "evaluation",
@@ -43,6 +45,26 @@ TABLE1_KEYS = {"arm", "seed", "text", "documents", "max_tokens", "batch_size"}
 
 class SpecError(ValueError):
     """A study spec that cannot run; the message names the key."""
+
+
+def _as_recorded(preset: dict) -> dict:
+    """``preset`` with the settings' names its runs' fingerprints were first recorded with."""
+    old_of = {new: old for old, new in LEGACY_KEYS.items()}
+    model = dict(preset.get("model") or {})
+    for name in SECTIONS:
+        if isinstance(model.get(name), dict):
+            model[name] = {old_of.get(k, k): v for k, v in model[name].items()}
+    return {**preset, "model": model}
+
+
+def _upgraded(model, where: str):
+    """A ``model:`` section with old setting names renamed (each warns; both names: SpecError)."""
+    if not isinstance(model, dict):
+        return model
+    try:
+        return upgrade_sections(model, where=where)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
 
 
 @dataclass(frozen=True)
@@ -61,7 +83,9 @@ class Arm:
 
     def fingerprint(self, seed: int, data: str) -> str:
         """Everything that decides a run's result: a finished run is reused only if it matches."""
-        blob = json.dumps({"preset": self.preset, "world_size": self.world_size,
+        # NOTE: a renamed setting is hashed under its old name (LEGACY_KEYS: "selection" as
+        # "weight_mode"), so the runs recorded before the rename keep their fingerprints.
+        blob = json.dumps({"preset": _as_recorded(self.preset), "world_size": self.world_size,
                            "ep": self.expert_parallel_size, "seed": seed, "data": data},
                           sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
@@ -119,9 +143,11 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
     for key in ("name", "data", "arms", "seeds"):
         if not raw.get(key):
             raise SpecError(f"study {source} needs {key!r}")
+    raw["model"] = _upgraded(raw.get("model"), f"{source}: model")
     if quick:
         q = raw.get("quick") or {}
         _check_keys(q, QUICK_KEYS, f"{source}: quick")
+        q["model"] = _upgraded(q.get("model"), f"{source}: quick.model")
         for key in ("model", "train", "evaluation", "probe", "table1"):
             raw[key] = _merge(raw.get(key) or {}, q.get(key) or {})
         raw["seeds"] = q.get("seeds", raw["seeds"])
@@ -141,7 +167,8 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
         name = str(entry.get("name") or "")
         if not name or not name.replace("_", "").replace("-", "").isalnum():
             raise SpecError(f"{source}: arm name {name!r} must be letters, digits, - and _")
-        preset = {"model": _merge(raw.get("model") or {}, entry.get("model") or {}),
+        arm_model = _upgraded(entry.get("model"), f"{source}: arm {name}: model")
+        preset = {"model": _merge(raw.get("model") or {}, arm_model or {}),
                   "train": _merge(raw.get("train") or {}, entry.get("train") or {})}
         arm = Arm(name=name, label=str(entry.get("label", name)), preset=preset,
                   world_size=int(entry.get("world_size", 1)),

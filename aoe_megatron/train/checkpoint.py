@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from aoe_megatron.train import integrity, optim_state
-from aoe_megatron.train.faults import TrainingHalted
+from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.host_memory import PeakHostMemory
 
 LATEST = "latest"
@@ -155,7 +155,7 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
 
 def _max_over_ranks(nbytes: Optional[int]) -> Optional[int]:
     """The largest of every rank's figure (collective); None if any rank has none."""
-    from aoe_megatron.distributed import reduce_across_ranks
+    from aoe_megatron.runtime.distributed import reduce_across_ranks
 
     most = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else nbytes), op="max").item())
     least = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else 0), op="max").item())

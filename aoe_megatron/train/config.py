@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
-from aoe_megatron.model import ModelConfig, load_preset, preset_dict
+from aoe_megatron.models.gpt import ModelConfig, load_preset, preset_dict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,7 +259,7 @@ def adopt_single_process_env() -> None:
     rank 0, a free rendezvous port on this host. Launched runs are left as they are."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    from aoe_megatron.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -267,8 +267,13 @@ def adopt_single_process_env() -> None:
 
 
 def world_size_from_env() -> int:
-    adopt_slurm_env()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The processes of this run, as the launcher says (torchrun, deepspeed: WORLD_SIZE; a bare
+    ``srun``: SLURM_NTASKS); reads the environment only (``adopt_slurm_env`` writes it)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        return int(os.environ.get("SLURM_NTASKS", "1"))
+    return 1
 
 
 def resolved(cfg: TrainConfig) -> dict:

@@ -25,7 +25,7 @@ import hashlib
 import os
 from typing import Optional, Union
 
-from aoe_megatron.train.faults import TrainingHalted
+from aoe_megatron.train.errors import TrainingHalted
 
 MOCK = "mock"
 SAMPLE_BYTES = 1 << 20

@@ -4,7 +4,8 @@ DeepSpeed treats a parameter as an expert's only when ``param.allreduce`` is Fal
 ``param.group_name == "ep_size_<EP>"`` and the model contains a ``deepspeed.moe.layer.MoE``;
 it then reduces it over the expert-data-parallel group registered under that name. We register
 megatron-core's own expert and expert-data-parallel groups there, mark the expert weights, and
-attach a parameter-less MoE marker (``../shared/ENGINE-NOTES.md``). Dense weights are reduced over
+attach a parameter-less MoE marker (DeepSpeed 0.19: ``engine.has_moe_layers`` looks for a ``MoE``
+module; ``moe/utils.py`` splits optimizer groups by ``group_name``). Dense weights are reduced over
 the full data-parallel group. ZeRO-3 is refused with EP > 1 (DeepSpeed would mix experts).
 """
 

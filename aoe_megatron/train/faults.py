@@ -30,13 +30,13 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from aoe_megatron.train.errors import TrainingHalted
+
+__all__ = ["NonFiniteError", "NonFinitePolicy", "TrainingHalted", "clear_halt_record",
+           "parse_steps", "write_halt_record"]
+
 STATE_KEY = "nonfinite_skipped_steps"
 """state.json entry: the steps skipped so far in the run (their count is what N limits)."""
-
-
-class TrainingHalted(RuntimeError):
-    """The run stops on purpose and must not simply be restarted: ``main`` prints the message,
-    writes ``halted.json`` in the run directory and exits non-zero."""
 
 
 class NonFiniteError(TrainingHalted):

@@ -18,17 +18,22 @@ from pathlib import Path
 
 import torch
 
-from aoe_megatron.distributed import reduce_across_ranks
+from aoe_megatron.runtime.distributed import reduce_across_ranks
 from aoe_megatron.train.config import (
     TrainConfig,
+    adopt_slurm_env,
     parse_train_args,
     resolved,
     world_size_from_env,
 )
-from aoe_megatron.train.faults import TrainingHalted, clear_halt_record, write_halt_record
+from aoe_megatron.train.errors import TrainingHalted
+from aoe_megatron.train.faults import clear_halt_record, write_halt_record
 from aoe_megatron.train.host_memory import gib
 
-EXIT_AFTER_SIGNAL = 0
+EXIT_OK = 0
+"""Finished, or stopped by a signal after saving: the run directory tells them apart
+(``finished.json``, which the Slurm template checks before it requeues). A stop is not an error:
+torchrun would report a worker's non-zero exit as a crash, and restart it where allowed."""
 EXIT_HALTED = 3
 
 
@@ -82,8 +87,8 @@ def train(cfg: TrainConfig) -> dict:
         clear_aux_losses_tracker,
     )
 
-    from aoe_megatron.distributed import bound_collective_waits, init_megatron
-    from aoe_megatron.model import build_gpt_model, transformer_config
+    from aoe_megatron.runtime.distributed import bound_collective_waits, init_megatron
+    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train import datacheck
     from aoe_megatron.train.batches import Batches, lm_loss
@@ -257,16 +262,17 @@ def train(cfg: TrainConfig) -> dict:
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.compat import fallback_note, quiet_cpu_fallback_warnings
+    from aoe_megatron.runtime.compat import fallback_note, quiet_cpu_fallback_warnings
 
     quiet_cpu_fallback_warnings()
+    adopt_slurm_env()  # a bare srun: RANK / WORLD_SIZE / LOCAL_RANK from Slurm's variables
     try:
         cfg = parse_train_args(argv)
         cfg.validate(world_size_from_env())
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from aoe_megatron.distributed import shutdown
+    from aoe_megatron.runtime.distributed import shutdown
     from aoe_megatron.train.config import adopt_single_process_env
 
     adopt_single_process_env()
@@ -286,7 +292,7 @@ def main(argv=None) -> int:
         return EXIT_HALTED
     finally:
         shutdown()
-    return EXIT_AFTER_SIGNAL
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from aoe_megatron.moe import ops
+
 
 def _number(value):
     """JSON has no NaN or infinity: those become the strings "nan", "inf", "-inf"."""
@@ -43,12 +45,10 @@ class StockRouterStats:
     def _hook(self, module, inputs, output):
         _, routing_map = output
         x = inputs[0].reshape(-1, inputs[0].shape[-1])
-        logits = torch.nn.functional.linear(x.float(), module.weight.float())
-        p = torch.softmax(logits, dim=-1).double()
-        counts = routing_map.reshape(-1, self.num_experts).double().sum(0)
+        logits = module.gating(x).float()  # the router's own logits (fp32: moe_router_dtype)
         # NOTE: kept on the router's device (no host sync per forward); selection_stats moves them
-        self.last_load = (counts / counts.sum().clamp_min(1)).float()
-        self.last_ent_conf = (-(p * torch.log(p.clamp_min(1e-30))).sum(-1).mean()).float()
+        self.last_load = ops.load_fractions(routing_map.reshape(-1, self.num_experts)).float()
+        self.last_ent_conf = ops.confidence_entropy(torch.softmax(logits, dim=-1)).float()
         self.last_mean_norm = logits.mean(0).float()
         self.layer_number = module.layer_number
 
@@ -63,8 +63,8 @@ def selection_stats(model, stock_stats=()) -> dict:
     """Per MoE layer, averaged over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load,
     Ent_conf (Eq. 8), each expert's mean activation norm (AoE; the paper's Figure 4) or mean
     router logit (stock MoE), and L_aux (AoE)."""
-    from aoe_megatron.distributed import comm_device, reduce_across_ranks
-    from aoe_megatron.router import SelectionRouter
+    from aoe_megatron.runtime.distributed import comm_device, reduce_across_ranks
+    from aoe_megatron.moe.router import SelectionRouter
 
     routers = [m for m in model.modules() if isinstance(m, SelectionRouter)] or list(stock_stats)
     if not routers:

@@ -16,7 +16,8 @@ time. A rank's host memory for the optimizer state is then its share plus one pa
 whole model's fp32 state (48 GB for the 4B model).
 
 Not ``ds_to_universal.py``: it merges expert weights by name and gives every rank rank 0's
-experts at EP > 1 (``../shared/ENGINE-NOTES.md``). Not megatron-core's DistributedOptimizer: the
+experts at EP > 1 (DeepSpeed 0.19's ``checkpoint/ds_to_universal.py`` keys fragments by parameter
+name, and local expert names repeat on every EP rank). Not megatron-core's DistributedOptimizer: the
 trainer's optimizer is DeepSpeed ZeRO.
 """
 
@@ -205,7 +206,7 @@ def restore_optimizer_state(model, engine, loaded: dict, *, step: int) -> None:
     import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from aoe_megatron.distributed import broadcast_from
+    from aoe_megatron.runtime.distributed import broadcast_from
 
     _check_engine(engine)
     _adam_state_ready(engine)

@@ -17,7 +17,7 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-from aoe_megatron.model import ModelConfig, load_preset
+from aoe_megatron.models.gpt import ModelConfig, load_preset
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,11 @@ from megatron.core import utils as mcore_utils
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
 
-from aoe_megatron import grouped, kernels, ops
-from aoe_megatron.config import AoEConfig
-from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
+from aoe_megatron.moe import grouped
+from aoe_megatron.moe import autograd
+from aoe_megatron.moe import ops
+from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 
 #: (parameter name, weight slot for seeding) of the stacked expert weights.
 EXPERT_WEIGHTS = ("w_up", "w_p", "w_o")
@@ -90,7 +92,7 @@ class AoEExperts(MegatronModule):
         groups = grouped.make_groups(counts, backend=aoe.expert_backend,
                                      device=permuted_input.device, dtype=permuted_input.dtype,
                                      widths=widths)
-        out_ND = kernels.grouped_experts(
+        out_ND = autograd.grouped_experts(
             permuted_input, probs_N=permuted_probs, groups=groups, d_model=aoe.d_model,
             w_up=self.w_up, w_p=self.w_p, w_o=self.w_o, w_down_LDR=w_down_LDR,
             factorized=aoe.factorized, recompute_low_rank=aoe.recompute_low_rank,

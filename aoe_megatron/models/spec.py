@@ -19,12 +19,12 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from aoe_megatron.compat import transformer_engine_usable
-from aoe_megatron.config import AoEConfig
-from aoe_megatron.experts import AoEExperts
-from aoe_megatron.init import draw_module_seed, expert_normal_
-from aoe_megatron.layer import AoEMoELayer
-from aoe_megatron.router import AoERouter
+from aoe_megatron.runtime.compat import transformer_engine_usable
+from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.experts import AoEExperts
+from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_
+from aoe_megatron.moe.layer import AoEMoELayer
+from aoe_megatron.moe.router import AoERouter
 
 
 def use_transformer_engine() -> bool:
@@ -157,7 +157,7 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
     if use_te is None:
         use_te = use_transformer_engine()
     if router is not None:
-        from aoe_megatron.moe_router import VariantRouter
+        from aoe_megatron.models.moe_router import VariantRouter
 
         spec = moe_layer_spec(num_experts, use_te=use_te)
         spec.submodules.mlp.submodules.router = partial(VariantRouter, router=router)

@@ -18,16 +18,17 @@ from megatron.core.transformer.moe.moe_utils import (
     save_to_aux_losses_tracker,
 )
 
-from aoe_megatron import kernels, ops
-from aoe_megatron.config import AoEConfig
-from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
-from aoe_megatron.selection import select_experts
+from aoe_megatron.moe import autograd
+from aoe_megatron.moe import ops
+from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
+from aoe_megatron.moe.selection import select_experts
 
 
 class SelectionRouter(MegatronModule):
     """Scores [T, E] -> a registered selection strategy -> (probs, routing_map), with L_aux (Eq. 6
     for AoE, Eq. 2 for MoE: the same formula), the Ent_conf regularizer, Switch jitter and the
-    selection statistics of the last forward. ``settings`` has num_experts, top_k, weight_mode,
+    selection statistics of the last forward. ``settings`` has num_experts, top_k, selection,
     selection_options, alpha_aux, ent_conf_coeff and input_jitter (an AoEConfig, for one)."""
 
     def __init__(self, config, settings) -> None:
@@ -56,7 +57,7 @@ class SelectionRouter(MegatronModule):
         """(probs_TE, routing_map_TE) from the per-expert scores (AoE: norms; MoE: logits);
         ``extra`` goes to the strategy with the configured options."""
         s = self.settings
-        sel = select_experts(scores_TE, strategy=s.weight_mode, top_k=s.top_k,
+        sel = select_experts(scores_TE, strategy=s.selection, top_k=s.top_k,
                              **s.selection_options, **extra)
         probs_TE = sel.probs_TE
         # NOTE: as MoELayer.forward documents, padding_mask is True for *valid* tokens; padding
@@ -144,7 +145,7 @@ class AoERouter(SelectionRouter):
         x_TD = self.jitter(hidden_states.reshape(-1, self.aoe.d_model))
         if self.aoe.rank_source == "cache" and self.aoe.lean_cache:
             # the cache is not kept for the norms' backward (recomputed there from x)
-            cache_TER, scores_TE = kernels.cache_and_norms(
+            cache_TER, scores_TE = autograd.cache_and_norms(
                 x_TD, w_down_DER=self.weight, num_experts=e, order=self.aoe.norm)
         else:
             cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.weight, num_experts=e)

@@ -15,19 +15,19 @@ expert (GEMMs and elementwise math) one expert at a time in reused scratch memor
 each expert's weight gradient into its slot of the stacked gradient.
 
 Shape suffixes: T tokens, N dispatched rows (grouped by expert), D d_model, E experts,
-R d_low, W d_wide, L local experts. The expert math (``_expert_forward``/``_expert_backward``)
+R d_low, W d_wide, L local experts. The expert math (``expert_forward``/``expert_backward``)
 names tensors without suffixes: they are one expert's 2-D rows, or every expert's rows in the
 groups' layout ([N, .] or padded [L, M, .]).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
-from aoe_megatron import grouped, ops
+from aoe_megatron.moe import grouped, ops
+from aoe_megatron.moe.expert_math import Grads, Scratch, Weights, expert_backward, expert_forward
 
 
 class _CacheNorms(torch.autograd.Function):
@@ -81,92 +81,32 @@ def cache_and_norms(x_TD: torch.Tensor, *, w_down_DER: torch.Tensor, num_experts
     return _CacheNorms.apply(x_TD, w_down_DER, num_experts, order)
 
 
-class _Scratch:
-    """Scratch buffers: reused expert after expert (backend "loop": ``rows`` = the busiest
-    expert's rows), or fresh ones for a single pass over everything (``rows`` None).
+class _Saved(NamedTuple):
+    """What backward keeps of one piece of work: the rows [x | C] (or x), C when recomputed from
+    x (else None: it is in the rows), act and lin (one may be None: recomputed), the probs."""
 
-    NOTE: on CPUs a fresh [rows, d_wide] tensor costs more to fault in than the elementwise op
-    that fills it; reusing memory (and writing in place) keeps the expert math GEMM-bound.
-    """
-
-    def __init__(self, rows: Optional[int] = None):
-        self.rows, self.flat = rows, {}
-
-    def get(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        if self.rows is None:
-            return torch.empty_like(like)
-        width = like.shape[-1]
-        buf = self.flat.get(key)
-        if buf is None or buf.numel() < self.rows * width or buf.dtype != like.dtype:
-            buf = self.flat[key] = like.new_empty(self.rows * width)
-        return buf[: like.numel()].view(like.shape)
+    rows: torch.Tensor
+    c: Optional[torch.Tensor]
+    act: Optional[torch.Tensor]
+    lin: Optional[torch.Tensor]
+    p: torch.Tensor
 
 
-def _row_dot(a, b, dtype):
-    """sum(a * b, -1) in ``dtype`` (a batched dot product where no cast is needed)."""
-    if a.dtype == b.dtype == dtype:
-        width = a.shape[-1]
-        return torch.bmm(a.reshape(-1, 1, width), b.reshape(-1, width, 1)).view(a.shape[:-1])
-    return (a.to(dtype) * b).sum(-1)
+def _save(ctx, weights: Weights, pieces: list) -> None:
+    """Everything backward needs through ``save_for_backward`` (none on ctx), so saved-tensor
+    hooks (offloading, the benchmark's byte count) see all of it; ``_saved`` reads it back."""
+    ctx.save_for_backward(*weights, *[t for piece in pieces for t in piece])
 
 
-def _expert_forward(mm, scratch, x, c, w_up, w_p, w_o, p, factorized: str, out=None):
-    """(out, act, lin) for one expert (2-D tensors, ``mm`` = grouped.Dense) or all experts
-    (the groups' layout, ``mm`` = the groups): out = (SiLU(act) * lin * p) W_o."""
-    lin = mm.mm(x, w_p)
-    if factorized == "none":  # act = [C, x W_up]: the cache is the gate's first R elements
-        act = torch.cat([c, mm.mm(x, w_up)], dim=-1)
-    else:
-        low = mm.mm(c, w_up)
-        act, lin = (low, lin) if factorized == "gate" else (lin, low)
-    # h = SiLU(act) * lin * p, computed in p's precision where it is wider (as megatron-core's
-    # MLP scales by the probabilities), written in the activations' dtype
-    h = torch.ops.aten.silu.out(act, out=scratch.get("h", act)).mul_(lin).mul_(p)
-    return mm.mm(h, w_o, out=out), act, lin
+def _saved(ctx) -> tuple:
+    """(weights, [_Saved per piece]) as ``_save`` stored them."""
+    flat = ctx.saved_tensors
+    n_w, n_s = len(Weights._fields), len(_Saved._fields)
+    pieces = [_Saved(*flat[i : i + n_s]) for i in range(n_w, len(flat), n_s)]
+    return Weights(*flat[:n_w]), pieces
 
 
-def _expert_backward(mm, scratch, dy, x, c, act, lin, p, w_down, w_up, w_p, w_o,
-                     factorized: str, need, d_rows=None):
-    """Gradients of ``_expert_forward`` (and of c = x W_down when ``w_down`` is given):
-    (d_rows, d_w_down, d_w_up, d_w_p, d_w_o, d_probs); d_rows = [dx | dc] or dx, written into
-    ``d_rows`` when given."""
-    silu = torch.ops.aten.silu.out(act, out=scratch.get("silu", act))
-    g = torch.mul(silu, lin, out=scratch.get("g", act))  # the unweighted hidden state
-    dh = mm.mm_t(dy, w_o, out=scratch.get("dh", act) if mm.accepts_out else None)
-    d_probs = _row_dot(dh, g, p.dtype) if need["probs"] else None
-    # (g p)^T dy = g^T (p dy): the scaling on the narrow side
-    d_w_o = mm.wgrad(g, (dy * p).to(x.dtype), "w_o") if need["w_o"] else None
-    dg = dh.mul_(p)  # gradient of g
-    d_lin = silu.mul_(dg)
-    d_act = torch.ops.aten.silu_backward.grad_input(dg.mul_(lin), act, grad_input=g)
-    if factorized == "none":
-        r = c.shape[-1]
-        d_c, d_up = d_act[..., :r], d_act[..., r:]
-        d_w_up = mm.wgrad(x, d_up, "w_up") if need["w_up"] else None
-        dx = mm.mm_t(d_up, w_up) + mm.mm_t(d_lin, w_p)
-        d_w_p = mm.wgrad(x, d_lin, "w_p") if need["w_p"] else None
-    else:
-        d_low, d_x_side = (d_act, d_lin) if factorized == "gate" else (d_lin, d_act)
-        d_w_up = mm.wgrad(c, d_low, "w_up") if need["w_up"] else None
-        d_c = mm.mm_t(d_low, w_up)
-        d_w_p = mm.wgrad(x, d_x_side, "w_p") if need["w_p"] else None
-        dx = mm.mm_t(d_x_side, w_p)
-    d_w_down = None
-    if w_down is not None:
-        d_w_down = mm.wgrad(x, d_c, "w_down") if need["w_down"] else None
-        dx = dx + mm.mm_t(d_c, w_down)
-    if d_rows is not None:  # NOTE: d_c may view scratch memory: consumed before the next expert
-        d_rows[..., : dx.shape[-1]].copy_(dx)
-        if w_down is None:
-            d_rows[..., dx.shape[-1] :].copy_(d_c)
-    elif w_down is None:
-        d_rows = torch.cat([dx, d_c.to(dx.dtype)], dim=-1)
-    else:
-        d_rows = dx
-    return d_rows, d_w_down, d_w_up, d_w_p, d_w_o, d_probs
-
-
-_INPUTS = ("rows", "w_down", "w_up", "w_p", "w_o", "probs")
+_INPUTS = Grads._fields  # _GroupedExperts's differentiable inputs, in order
 
 
 class _GroupedExperts(torch.autograd.Function):
@@ -178,59 +118,60 @@ class _GroupedExperts(torch.autograd.Function):
     def forward(ctx, rows_NX, w_down_LDR, w_up, w_p, w_o, probs_N, groups, d_model: int,
                 factorized: str, recompute_low_rank: bool):
         drop = recompute_low_rank and factorized != "none"
-        weights = (w_down_LDR, w_up, w_p, w_o)
-        scratch = _Scratch(max(groups.counts, default=0) if groups.per_group else None)
+        weights = Weights(w_down_LDR, w_up, w_p, w_o)
+        scratch = Scratch(max(groups.counts, default=0) if groups.per_group else None)
         out_ND = rows_NX.new_empty(rows_NX.shape[0], d_model) if groups.per_group else None
-        parts = []
+        outs, pieces = [], []
         for sl, mm, (wd, wu, wp, wo) in _pieces(groups, weights):
             rows = _layout(groups, rows_NX)[sl]
             x = rows[..., :d_model]
             c = (rows[..., d_model:] if wd is None else mm.mm(x, wd)).to(x.dtype)
             p = _layout(groups, probs_N)[sl].unsqueeze(-1)
-            out, act, lin = _expert_forward(mm, scratch, x, c, wu, wp, wo, p, factorized,
+            out, act, lin = expert_forward(mm, scratch, x, c, wu, wp, wo, p, factorized,
                                             out=None if out_ND is None else out_ND[sl])
             if drop:  # recomputed in backward from C
                 act, lin = (None, lin) if factorized == "gate" else (act, None)
-            parts.append((out, rows, c if wd is not None else None, act, lin, p))
-        # NOTE: everything backward needs goes through save_for_backward (none on ctx), so
-        # saved-tensor hooks (offloading, the benchmark's byte count) see all of it.
-        ctx.save_for_backward(*weights, *[t for part in parts for t in part[1:]])
+            outs.append(out)
+            pieces.append(_Saved(rows, c if wd is not None else None, act, lin, p))
+        _save(ctx, weights, pieces)
         ctx.groups, ctx.d_model, ctx.factorized, ctx.drop = groups, d_model, factorized, drop
         ctx.rows_shape = rows_NX.shape
         if groups.per_group:
             return out_ND
-        return groups.unpack(parts[0][0])
+        return groups.unpack(outs[0])
 
     @staticmethod
     def backward(ctx, d_out_ND):
-        saved = ctx.saved_tensors
-        weights, rest = saved[:4], saved[4:]
+        weights, saved = _saved(ctx)
         groups, fac = ctx.groups, ctx.factorized
         need = dict(zip(_INPUTS, ctx.needs_input_grad))
         # backend "loop": each expert's weight gradient is written straight into its slot
-        wgrads = {name: torch.empty_like(w) for name, w in zip(_INPUTS[1:5], weights)
+        wgrads = {name: torch.empty_like(w) for name, w in weights._asdict().items()
                   if w is not None and need[name]} if groups.per_group else {}
-        scratch = _Scratch(max(groups.counts, default=0) if groups.per_group else None)
+        scratch = Scratch(max(groups.counts, default=0) if groups.per_group else None)
         per = groups.per_group
         d_rows = d_out_ND.new_empty(ctx.rows_shape) if per and need["rows"] else None
-        d_probs = d_out_ND.new_zeros(ctx.rows_shape[0], dtype=rest[4].dtype) if per and rest else None
+        d_probs = (d_out_ND.new_zeros(ctx.rows_shape[0], dtype=saved[0].p.dtype)
+                   if per and saved else None)
         dy_all = _layout(groups, d_out_ND)
-        for i, (sl, mm, (wd, wu, wp, wo)) in enumerate(_pieces(groups, weights, wgrads)):
-            rows, c, act, lin, p = rest[5 * i : 5 * i + 5]
-            x = rows[..., : ctx.d_model]
-            c = rows[..., ctx.d_model :] if c is None else c
+        for piece, (sl, mm, w) in zip(saved, _pieces(groups, weights, wgrads)):
+            x = piece.rows[..., : ctx.d_model]
+            c = piece.rows[..., ctx.d_model :] if piece.c is None else piece.c
+            act, lin = piece.act, piece.lin
             if ctx.drop:  # the low-rank projection C W_up, recomputed
-                low = mm.mm(c, wu)
+                low = mm.mm(c, w.w_up)
                 act, lin = (low, lin) if fac == "gate" else (act, low)
-            piece = _expert_backward(mm, scratch, dy_all[sl], x, c, act, lin, p, wd, wu, wp, wo,
-                                     fac, need, d_rows=None if d_rows is None else d_rows[sl])
+            grads = expert_backward(mm, scratch, dy_all[sl], x, c, act, lin, piece.p, w,
+                                     factorized=fac, need=need,
+                                     d_rows=None if d_rows is None else d_rows[sl])
             if per:
-                if piece[5] is not None:
-                    d_probs[sl] = piece[5]
+                if grads.probs is not None:
+                    d_probs[sl] = grads.probs
             else:
-                d_rows = groups.unpack(piece[0]) if need["rows"] else None
-                d_probs = groups.unpack(piece[5]) if need["probs"] else None
-                wgrads.update((name, g) for name, g in zip(_INPUTS[1:5], piece[1:5]) if g is not None)
+                d_rows = groups.unpack(grads.rows) if need["rows"] else None
+                d_probs = groups.unpack(grads.probs) if need["probs"] else None
+                wgrads.update((name, g) for name, g in grads._asdict().items()
+                              if name in weights._fields and g is not None)
         if per:
             busy = {l for l, _ in _busy(groups)}
             for w in wgrads.values():  # experts without rows
@@ -267,8 +208,8 @@ def _pieces(groups, weights, wgrads=None):
     """(row slice, GEMMs, weights) per piece of work: each busy expert (loop: 2-D slices of the
     stacked weights), or everything at once in the groups' layout."""
     if groups.per_group:
-        return [(sl, _ExpertSlot(l, wgrads or {}), tuple(None if w is None else w[l] for w in weights))
-                for l, sl in _busy(groups)]
+        return [(sl, _ExpertSlot(l, wgrads or {}),
+                 Weights(*(None if w is None else w[l] for w in weights))) for l, sl in _busy(groups)]
     return [(slice(None), groups, weights)]
 
 

@@ -14,8 +14,8 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from aoe_megatron.config import AoEConfig
-from aoe_megatron.dispatcher import AoEAllGatherTokenDispatcher, AoEAlltoAllTokenDispatcher
+from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.dispatcher import AoEAllGatherTokenDispatcher, AoEAlltoAllTokenDispatcher
 
 
 def _check_supported(config, aoe: AoEConfig, pg_collection) -> None:
@@ -74,17 +74,19 @@ class AoEMoELayer(MoELayer):
         weights them (topk_softmax: softmax over the selected output norms). Dense, EP=1 only."""
         if self.experts.ep_size != 1:
             raise ValueError("FON selection needs every expert's output on one rank: EP=1 only")
-        from aoe_megatron import ops
-        from aoe_megatron.selection import select_experts
+        from aoe_megatron.moe import ops
+        from aoe_megatron.moe.selection import select_experts
 
-        aoe, experts = self.aoe, self.experts
+        aoe = self.aoe
         x_TD = hidden_states.reshape(-1, aoe.d_model)
-        cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.router.weight, num_experts=aoe.num_experts)
-        y_TED = torch.stack([
-            ops.aoe_expert(x_TD, cache_TER[:, e], w_up_RW=experts.w_up[e], w_p_DW=experts.w_p[e],
-                           w_o_WD=experts.w_o[e], factorized=aoe.factorized)
-            for e in range(aoe.num_experts)], dim=1)
-        sel = select_experts(ops.expert_norms(y_TED, order=aoe.norm), strategy=aoe.weight_mode,
+        t, e = x_TD.shape[0], aoe.num_experts
+        cache_TER = ops.low_rank_cache(x_TD, w_down_DER=self.router.weight, num_experts=e)
+        # every token sent to every expert, through the experts' own forward (its backend)
+        rows_NX = torch.cat([x_TD.expand(e, t, aoe.d_model), cache_TER.transpose(0, 1)], dim=-1)
+        y_ND, _ = self.experts(rows_NX.reshape(e * t, -1), torch.full((e,), t),
+                               x_TD.new_ones(e * t, dtype=torch.float32))
+        y_TED = y_ND.view(e, t, aoe.d_model).transpose(0, 1)
+        sel = select_experts(ops.expert_norms(y_TED, order=aoe.norm), strategy=aoe.selection,
                              top_k=aoe.top_k, **aoe.selection_options)
         out_TD = torch.einsum("te,ted->td", sel.probs_TE.to(y_TED.dtype), y_TED)
         return out_TD.view_as(hidden_states)

@@ -9,55 +9,47 @@ computes (top-K of the logits, softmax over them), which the tests check.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from aoe_megatron.init import draw_module_seed, expert_normal_, target_device
-from aoe_megatron.router import SelectionRouter
-from aoe_megatron.selection import select_experts, selection_strategies
+from aoe_megatron.models.settings import RouterSettings
+from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
+from aoe_megatron.moe.router import SelectionRouter
+from aoe_megatron.moe.selection import select_experts, selection_strategies
 
 GATES = ("linear", "two_layer", "hash")
 
 
 @dataclass(frozen=True, kw_only=True)
-class RouterConfig:
-    """A traditional-MoE router: its gate and its selection (field names as AoEConfig's)."""
+class RouterConfig(RouterSettings):
+    """A traditional-MoE router: a preset's ``router:`` section (RouterSettings: the gate and its
+    selection, documented there) plus the settings it shares with the model (as AoEConfig's)."""
 
     num_experts: int
     top_k: int
     d_model: int
-    gate: str = "linear"
-    """"linear" (x W_g, W_g: d_model x n), "two_layer" (SiLU(x W_1) W_2 with W_1: d_model x
-    (n * hidden_per_expert), the paper's Config 4 "large router") or "hash" (Roller et al. 2021:
-    no weights; a fixed random table gives each token id a bucket; strategy "hash")."""
-    hidden_per_expert: int = 0
-    """Config 4: d_low, so that W_1 has n * d_low * d_model parameters, as many as AoE's W_down."""
     vocab_size: int = 0
     """hash: the token-id -> bucket table's size."""
-    weight_mode: str = "topk_softmax"
-    selection_options: dict = field(default_factory=dict)
     alpha_aux: float = 0.01
-    ent_conf_coeff: float = 0.0
-    input_jitter: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
             raise ValueError(f"unknown router gate {self.gate!r}; choose one of {GATES}")
         if self.gate == "two_layer" and self.hidden_per_expert <= 0:
             raise ValueError("the two_layer router needs hidden_per_expert > 0 (the paper: d_low)")
-        if (self.gate == "hash") != (self.weight_mode == "hash"):
+        if (self.gate == "hash") != (self.selection == "hash"):
             raise ValueError("the hash gate and the hash strategy go together (gate: hash, "
-                             "weight_mode: hash)")
+                             "selection: hash)")
         if self.gate == "hash" and (self.vocab_size <= 0 or self.alpha_aux or self.ent_conf_coeff):
             raise ValueError("the hash router needs vocab_size, and has nothing for alpha_aux or "
                              "ent_conf_coeff to train: set them to 0")
-        if self.weight_mode not in selection_strategies():
-            raise ValueError(f"unknown selection strategy {self.weight_mode!r}; "
+        if self.selection not in selection_strategies():
+            raise ValueError(f"unknown selection strategy {self.selection!r}; "
                              f"choose one of {selection_strategies()}")
         try:
-            select_experts(torch.zeros(2, self.num_experts), strategy=self.weight_mode,
+            select_experts(torch.zeros(2, self.num_experts), strategy=self.selection,
                            top_k=self.top_k, **self.selection_options)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"selection_options {self.selection_options}: {exc}") from None
@@ -105,7 +97,7 @@ class VariantRouter(SelectionRouter):
             return self.select(self.logits(x_TD), padding_mask)
         if self.token_ids is None or self.token_ids.numel() != x_TD.shape[0]:
             raise RuntimeError("the hash router needs the batch's token ids: build the model with "
-                               "aoe_megatron.model.build_gpt_model (its hook hands them over)")
+                               "aoe_megatron.models.gpt.build_gpt_model (its hook hands them over)")
         scores_TE = x_TD.new_zeros(x_TD.shape[0], self.router_config.num_experts)
         return self.select(scores_TE, padding_mask, buckets_T=self.bucket_of_token[self.token_ids])
 

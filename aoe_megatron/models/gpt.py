@@ -1,0 +1,220 @@
+"""Model configuration (one schema for every preset) and the GPTModel builder."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from aoe_megatron.models.settings import (  # noqa: F401  (AoESettings, RouterSettings: their home)
+    SECTIONS,
+    AoESettings,
+    RouterSettings,
+    section_from_dict,
+    upgrade_sections,
+)
+from aoe_megatron.moe.config import AoEConfig, from_transformer_config
+
+ARCHS = ("aoe", "moe")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A Llama-style MoE language model: RMSNorm, RoPE, SwiGLU experts, no biases."""
+
+    arch: str = "aoe"
+    """"aoe" (Autonomy-of-Experts) or "moe" (megatron-core's traditional MoE with a router)."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    """d_ffn of a traditional MoE expert (AoE derives d_wide from it when d_wide is "auto")."""
+    num_experts: int
+    top_k: int
+    vocab_size: int = 32000
+    seq_length: int = 2048
+    """Tokens per sequence. RoPE has no parameters, so it does not change the counts."""
+    tie_embeddings: bool = True
+    """Input embedding and output layer share one matrix (what the paper's 732M total needs)."""
+    alpha_aux: float = 0.01
+    """Load-balancing loss weight (Eq. 2 for MoE, Eq. 6 for AoE); 0 disables it."""
+    dispatcher: str = "alltoall"
+    aoe: AoESettings = field(default_factory=AoESettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+    """arch "moe" only: the router variant (the default is megatron-core's TopKRouter)."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown arch {self.arch!r}; choose one of {ARCHS}.")
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                     "num_experts", "top_k", "vocab_size", "seq_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model {name} must be a positive integer, got {value!r}.")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}."
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}.")
+        if self.arch == "aoe":
+            self.aoe_config()  # validates the AoE settings
+            if self.router != RouterSettings():
+                raise ValueError("router settings apply to arch 'moe' only (AoE has no router; "
+                                 "see aoe.rank_source)")
+        elif not self.router.is_stock:
+            self.router_config()  # validates the router variant
+
+    def router_config(self):
+        """The traditional-MoE router variant (aoe_megatron.models.moe_router.RouterConfig)."""
+        from aoe_megatron.models.moe_router import RouterConfig
+
+        return RouterConfig(num_experts=self.num_experts, top_k=self.top_k, d_model=self.hidden_size,
+                            alpha_aux=self.alpha_aux, vocab_size=self.vocab_size, **asdict(self.router))
+
+    def aoe_config(self, expert_parallel_size: int = 1, *, tc=None) -> AoEConfig:
+        """The AoE layers' AoEConfig: the one way from a model config (build_gpt_model uses it).
+
+        The shared settings come from ``tc``, the megatron TransformerConfig the model is built
+        with, when given (its expert_model_parallel_size, not ``expert_parallel_size``), else
+        from this config as ``transformer_config`` would map them; the rest is ``self.aoe``.
+        """
+        if tc is None:
+            tc = SimpleNamespace(**_megatron_moe_settings(self, expert_parallel_size))
+        return from_transformer_config(tc, **asdict(self.aoe))
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        raw = dict(raw)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown model settings {sorted(unknown)}; known: {sorted(known)}")
+        sections = {name: section_from_dict(name, raw.pop(name, None)) for name in SECTIONS}
+        return cls(**sections, **raw)
+
+    def with_overrides(self, **changes) -> "ModelConfig":
+        raw = asdict(self)
+        changes = upgrade_sections(changes, where="model overrides")
+        nested = {name: changes.pop(name, {}) or {} for name in SECTIONS}
+        raw.update(changes)
+        for name, section in nested.items():
+            raw[name] = {**raw[name], **section}
+        return ModelConfig.from_dict(raw)
+
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "run" / "presets"
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _preset_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ValueError(f"no preset {name_or_path!r}: not a file, and not one of {names}")
+    return path
+
+
+def preset_dict(name_or_path: str, _seen=()) -> dict:
+    """A preset's YAML as a dict, with ``base: OTHER`` presets merged underneath (variants are data)."""
+    import yaml
+
+    path = _preset_path(name_or_path)
+    if path in _seen:
+        raise ValueError(f"preset {path} inherits from itself")
+    raw = yaml.safe_load(path.read_text()) or {}
+    unknown = set(raw) - {"base", "model", "train"}
+    if unknown:
+        raise ValueError(f"unknown preset sections {sorted(unknown)} in {path}: use base, model, train")
+    if isinstance(raw.get("model"), dict):  # old key names, before a base's new ones meet them
+        raw["model"] = upgrade_sections(raw["model"], where=f"preset {path}")
+    base = raw.pop("base", None)
+    return _merge(preset_dict(base, _seen + (path,)), raw) if base else raw
+
+
+def load_preset(name_or_path: str, **overrides) -> ModelConfig:
+    """A preset by name ("tiny", "aoe_732m", "moe_4b", ...) or YAML path, with optional overrides."""
+    cfg = ModelConfig.from_dict(preset_dict(name_or_path).get("model", {}))
+    return cfg.with_overrides(**overrides) if overrides else cfg
+
+
+def _megatron_moe_settings(cfg: ModelConfig, expert_parallel_size: int) -> dict:
+    """The TransformerConfig settings a model shares with its MoE layers, in megatron's names (what
+    moe.config.MEGATRON_FIELD_MAP reads back)."""
+    return dict(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+                num_moe_experts=cfg.num_experts, moe_router_topk=cfg.top_k,
+                moe_ffn_hidden_size=cfg.ffn_hidden_size, moe_aux_loss_coeff=cfg.alpha_aux,
+                moe_token_dispatcher_type=cfg.dispatcher,
+                expert_model_parallel_size=expert_parallel_size)
+
+
+def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **extra):
+    """megatron-core TransformerConfig for ``cfg``; ``extra`` passes further megatron settings."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from aoe_megatron.runtime.compat import fused_softmax_available
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        **_megatron_moe_settings(cfg, expert_parallel_size),
+        num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        moe_router_pre_softmax=cfg.top_k == 1,  # megatron-core requires it for top-1
+        moe_router_load_balancing_type="aux_loss" if cfg.alpha_aux > 0 else "none",
+        # The stock router's logits, softmax and top-k in fp32 under bf16 too, as AoE's norms are:
+        # a baseline as precise as the model it is compared with (megatron-core's default is the
+        # activations' dtype).
+        moe_router_dtype="fp32",
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=not on_gpu,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=fused_softmax_available(),  # its kernels come with apex
+        gradient_accumulation_fusion=False,
+    )
+    kwargs.update(extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None):
+    """A megatron-core GPTModel with AoE or stock MoE layers (parallel state must be set up)."""
+    from megatron.core.models.gpt import GPTModel
+
+    from aoe_megatron.models.spec import aoe_layer_spec, moe_layer_spec
+
+    tc = tc or transformer_config(cfg)
+    if cfg.arch == "aoe":
+        spec = aoe_layer_spec(cfg.aoe_config(tc=tc), use_te=use_te)
+    else:
+        router = None if cfg.router.is_stock else cfg.router_config()
+        spec = moe_layer_spec(cfg.num_experts, use_te=use_te, router=router)
+    model = GPTModel(
+        config=tc,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        share_embeddings_and_output_weights=cfg.tie_embeddings,
+        position_embedding_type="rope",
+    )
+    if cfg.arch == "moe" and cfg.router.gate == "hash":
+        from aoe_megatron.models.moe_router import hand_token_ids_to_hash_routers
+
+        hand_token_ids_to_hash_routers(model)
+    return model

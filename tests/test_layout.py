@@ -1,0 +1,151 @@
+"""The package's rooms (issue #21): each imports only the rooms below it, no module imports itself
+back through a circle, and the import paths of the flat layout still work for one release."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "aoe_megatron"
+
+#: room -> the rooms its modules may import (the package's own ``__init__`` is open to all).
+ALLOWED = {
+    "runtime": set(),
+    "moe": {"runtime"},
+    "models": {"moe", "runtime"},
+    "data": {"runtime"},
+    "train": {"data", "models", "moe", "runtime"},
+    "hf": {"data", "models", "moe", "runtime"},
+    "evaluation": {"data", "hf", "models", "runtime"},
+    "bench": {"models", "moe", "runtime", "train"},
+    "study": {"data", "evaluation", "hf", "models", "moe", "runtime", "train"},
+}
+#: The flat layout's module names kept as thin aliases for one release, and where they went.
+MOVED = {"aoe_megatron.config": "aoe_megatron.moe.config",
+         "aoe_megatron.ops": "aoe_megatron.moe.ops",
+         "aoe_megatron.model": "aoe_megatron.models.gpt",
+         "aoe_megatron.distributed": "aoe_megatron.runtime.distributed"}
+
+
+def _modules() -> dict:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(modules: dict) -> dict:
+    """module -> the package's modules it imports anywhere in its body (functions included)."""
+    edges = defaultdict(set)
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                           else node.module for a in node.names]
+            else:
+                continue
+            edges[name].update(t for t in targets if t in modules and t != name)
+    return edges
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_every_room_imports_only_the_rooms_below_it():
+    modules = _modules()
+    rooms = {_room(m) for m in modules} - {""}
+    top_level = {m for m in modules if m.count(".") == 1 and (PACKAGE / f"{_room(m)}.py").is_file()}
+    assert rooms - set(ALLOWED) == {_room(m) for m in top_level}, "a room without a rule"
+    wrong = [f"{a} imports {b}" for a, targets in _imports(modules).items() for b in targets
+             if _room(a) in ALLOWED and _room(b) not in ALLOWED[_room(a)] | {_room(a), ""}]
+    assert not wrong, wrong
+
+
+def test_no_import_circle():
+    edges = _imports(_modules())
+    state, cycles = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(edges.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for module in sorted(_modules()):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, cycles
+
+
+@pytest.mark.parametrize("old,new", sorted(MOVED.items()))
+def test_the_flat_layouts_import_paths_still_work(old, new):
+    """``from aoe_megatron.config import AoEConfig`` and the like: the same module, with a
+    DeprecationWarning naming the new path."""
+    sys.modules.pop(old, None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+
+
+def test_the_old_names_users_import_resolve():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from aoe_megatron.config import AoEConfig
+        from aoe_megatron.distributed import init_megatron
+        from aoe_megatron.model import build_gpt_model, load_preset
+        from aoe_megatron.moe import config, ops
+        from aoe_megatron.ops import d_wide_for_parity  # noqa: F401
+    from aoe_megatron.models import gpt
+    from aoe_megatron.runtime import distributed
+
+    assert AoEConfig is config.AoEConfig and load_preset is gpt.load_preset
+    assert build_gpt_model is gpt.build_gpt_model and init_megatron is distributed.init_megatron
+    assert ops.__name__ == "aoe_megatron.moe.ops"
+
+
+def test_the_package_itself_imports_none_of_the_deprecated_paths():
+    """Inside the package every import uses the new rooms (a deprecated alias would warn)."""
+    edges = _imports(_modules())
+    users = sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                   if b in MOVED and a not in MOVED)
+    assert not users, users
+
+
+def test_the_install_names_every_package_folder_and_no_top_level_patches():
+    """pyproject.toml lists the packages (the repository's patches/ installs as
+    ``aoe_megatron._patches``, mapped by package-dir): a new room must be added there."""
+    import tomllib
+
+    config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
+               for p in PACKAGE.rglob("__init__.py")}
+    assert set(config["packages"]) == folders | {"aoe_megatron._patches"}
+    assert config["package-dir"] == {"aoe_megatron._patches": "patches"}
+    assert "patches" not in config["packages"]
+
+
+def test_the_patches_load_under_the_package_namespace():
+    import aoe_megatron
+    from aoe_megatron import _patches
+
+    assert aoe_megatron.apply_patches is _patches.apply_patches
+    assert Path(_patches.__file__).parent.name == "patches"  # the checkout's folder
+    assert "patches" not in sys.modules  # no top-level module of that name
