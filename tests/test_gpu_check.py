@@ -49,6 +49,14 @@ def test_cpu_form_runs_every_step_and_writes_the_results(tmp_path):
     assert train["figures"]["world_size"] == 1
     assert train["figures"]["max_resume_loss_diff"] <= 1e-5
     assert 9 < train["figures"]["final_loss"] < 11  # ln(32000) = 10.4 at the start
+    assert len(train["figures"]["resume_and_save_host_peak_gib"]) >= 2  # the load, each save
+
+    accumulation = steps["bf16-accumulation"]
+    assert accumulation["status"] == "ok", accumulation
+    assert accumulation["figures"]["micro_batches_per_step"] == 64
+    assert len(accumulation["figures"]["loss_fp32_accumulation"]) == accumulation["figures"]["steps"]
+    memory = steps["checkpoint-memory"]
+    assert memory["status"] == "skipped" and memory["reason"].startswith("CUDA-only")
 
     model = steps["model"]
     assert model["status"] == "ok", model

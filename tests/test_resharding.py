@@ -159,16 +159,13 @@ BF16 = ("--precision", "bf16")
 def test_bf16_checkpoints_resume_across_optimizers_and_layouts(tmp_path):
     """bf16 with fp32 gradient accumulation: ZeRO-1 runs as DeepSpeed's BF16_Optimizer, ZeRO-2 as
     its ZeRO optimizer with fp32 gradient partitions. A BF16_Optimizer checkpoint at world 2 /
-    EP 2 resumes under ZeRO-2 at world 1 / EP 1 and back, continuing as the original run did (to
+    EP 2 resumes under ZeRO-2 at world 1 / EP 1, continuing as the original run did (to
     bf16's rounding: the world-1 run sums the same fp32 gradients in another order)."""
     reference = _train(tmp_path, "reference", world=2, ep=2, zero=1, ckpt=tmp_path / "ck_reference",
                        extra=BF16)
     narrow = _resumed(tmp_path, "w1", tmp_path / "ck_reference", world=1, ep=1, zero=2, extra=BF16)
     assert "world size 2 -> 1, EP 2 -> 1, ZeRO stage 1 -> 2" in narrow["log"], narrow["log"][-3000:]
     _assert_same_continuation(narrow, reference, tol=BF16_TOL)
-    back = _resumed(tmp_path, "w1_to_w2", narrow["ckpt"], world=2, ep=2, zero=1, step=2 * SAVE_AT,
-                    extra=BF16)
-    _assert_same_continuation(back, narrow, tol=BF16_TOL)
 
 
 def _rng_round_trip(rank, world_size):

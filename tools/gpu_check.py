@@ -115,7 +115,7 @@ class Check:
 
 def environment(check: Check) -> dict:
     probe = ("import json, torch, importlib.metadata as m\n"
-             "from aoe_megatron import compat\n"
+             "from aoe_megatron.runtime import compat\n"
              "v = lambda d: m.version(d)\n"
              "cuda = torch.cuda.is_available()\n"
              "print(json.dumps({'python': __import__('platform').python_version(),\n"
