@@ -137,3 +137,15 @@ def build_aoe_layer(tc, *, pg_collection=None, layer_number=1, **aoe_fields):
     layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=layer_number,
                          pg_collection=pg_collection)
     return layer.to(tc.params_dtype)
+
+
+def load_tool(name: str):
+    """tools/<name>.py as a module (the tools are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -81,18 +81,12 @@ def test_gpu_form_without_cuda_stops_at_the_environment_step(tmp_path):
     assert "torch sees no CUDA device" in results["steps"][0]["reason"]
 
 
-def _gpu_check_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_pytest_summary_found_above_a_shutdown_warning():
     """The first H200 run (2026-12-04): 4 gpu-marked tests passed, then NCCL's shutdown warning
     came last, and the check took the warning for the summary and failed the step."""
-    gpu_check = _gpu_check_module()
+    from tests.helpers import load_tool
+
+    gpu_check = load_tool("gpu_check")
     output = ("....    [100%]\n-- Docs: https://docs.pytest.org/\n"
               "4 passed, 104 deselected, 1 warning in 18.37s\n"
               "[rank0]:[W1204 17:13:54.036369626 ProcessGroupNCCL.cpp:1575] Warning: WARNING: "

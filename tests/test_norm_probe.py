@@ -5,7 +5,6 @@ float64 hand computation), and the command line's bad inputs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,10 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location("norm_probe_cli", ROOT / "tools" / "norm_probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.helpers import load_tool
+
+    return load_tool("norm_probe")
 
 
 # ----------------------------------------------------------------------------- the math

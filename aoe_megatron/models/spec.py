@@ -75,6 +75,16 @@ def _rng_untouched():
         yield
 
 
+def _build_per_global_expert(module, build, config) -> None:
+    """``build()`` (the megatron-core experts' own __init__) with the RNG untouched but for one
+    seed drawn per layer, then every local expert's weights redrawn per global expert."""
+    seed = draw_module_seed()
+    with _rng_untouched():
+        build()
+    init_experts_per_global_expert_(module, module_seed=seed, config=config,
+                                    ep_rank=mcore_utils.get_pg_rank(module.ep_group))
+
+
 class EPInvariantSequentialMLP(SequentialMLP):
     """megatron-core's SequentialMLP experts, initialised per *global* expert.
 
@@ -87,11 +97,8 @@ class EPInvariantSequentialMLP(SequentialMLP):
     """
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        seed = draw_module_seed()
-        with _rng_untouched():
-            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
-        init_experts_per_global_expert_(self, module_seed=seed, config=config,
-                                        ep_rank=mcore_utils.get_pg_rank(self.ep_group))
+        _build_per_global_expert(self, lambda: super(EPInvariantSequentialMLP, self).__init__(
+            num_local_experts, config, submodules, pg_collection=pg_collection), config)
 
 
 class EPInvariantTEGroupedMLP(TEGroupedMLP):
@@ -104,11 +111,8 @@ class EPInvariantTEGroupedMLP(TEGroupedMLP):
     """
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
-        seed = draw_module_seed()
-        with _rng_untouched():
-            super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection)
-        init_experts_per_global_expert_(self, module_seed=seed, config=config,
-                                        ep_rank=mcore_utils.get_pg_rank(self.ep_group))
+        _build_per_global_expert(self, lambda: super(EPInvariantTEGroupedMLP, self).__init__(
+            num_local_experts, config, submodules, pg_collection=pg_collection), config)
 
 
 # ----------------------------------------------------------------------------- layer specs
