@@ -11,12 +11,13 @@ STUDY ?= default
 STUDY_ARGS ?=
 
 
-.PHONY: help setup assets system-deps test demo smoke params preprocess study-data study bench bench-preprocess gpu-wheels gpu-check lint clean
+.PHONY: help setup assets system-deps test test-quick demo smoke params preprocess study-data study bench bench-preprocess gpu-wheels gpu-check lint clean
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
 	@echo "make smoke   - one process: the tiny preset through the real entry point, 30 steps of random tokens"
 	@echo "make test    - the test suite (CPU, gloo; what CI runs)"
+	@echo "make test-quick - the suite without its slow and Slurm tests (the inner loop, < 4 min)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
 	@echo "make study-data       - the ~30 MB study corpus, train + held-out valid, into data/study_* (run/data-study.yaml)"
@@ -60,6 +61,10 @@ system-deps:
 
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The inner loop: everything but the slow and Slurm tests (under 4 minutes on 2 cores).
+test-quick: setup
+	$(PY) -m pytest -m "not slow and not slurm" $(PYTEST_ARGS)
 
 # Pretrain the tiny AoE model on the Shakespeare corpus, EP=2 over two CPU processes.
 DEMO_DIR ?= runs/demo

@@ -1,14 +1,22 @@
-"""Shared fixtures: one gloo process group (world size 1) with megatron-core's parallel state."""
+"""Shared fixtures: one gloo process group (world size 1) with megatron-core's parallel state, a
+tokenized corpus and tiny trained checkpoints."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = ROOT / "assets" / "corpus" / "shakespeare.jsonl"
+
+
+# Markers (slow, distributed, slurm, gpu) are registered in pyproject.toml; select with ``-m``.
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +34,46 @@ def seeded(megatron_world):
 
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """60 documents of the demo corpus, tokenized with BOS prepended (the policy export must
+    carry): {"root", "data" (a data config, split 90/10/0), "src" (the JSONL), "prefix"}.
+    Shared by the session: read it, do not write into it."""
+    from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
+
+    root = tmp_path_factory.mktemp("corpus")
+    src = root / "docs.jsonl"
+    with open(CORPUS) as fh:
+        src.write_text("".join(next(fh) for _ in range(60)))
+    preprocess(PreprocessConfig(inputs=(str(src),), output_prefix=str(root / "d"), append_eod=True,
+                                prepend_bos=True, workers=0, log_interval=1e9))
+    data = root / "data.yaml"
+    data.write_text(f"blend:\n  - {{prefix: {root / 'd_text_document'}, weight: 1}}\nsplit: '90,10,0'\n")
+    return {"root": root, "data": data, "src": src, "prefix": root / "d_text_document"}
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(corpus, tmp_path_factory):
+    """``trained_checkpoint(arch)``: the step folder of a tiny model of ``arch`` trained 3 steps on
+    ``corpus`` at EP=2 over two processes (ZeRO-1); each arch is trained once per session. A test
+    that uses it starts processes: mark it ``distributed`` and ``slow``."""
+    from aoe_megatron.runtime import launch
+
+    trained: dict = {}
+
+    def get(arch: str) -> Path:
+        if arch not in trained:
+            out = tmp_path_factory.mktemp(f"train_{arch}")
+            run = launch.run(
+                ["--preset", "tiny", "--arch", arch, "--data", corpus["data"],
+                 "--expert-parallel-size", "2", "--train-steps", "3", "--global-batch-size", "4",
+                 "--micro-batch-size", "1", "--warmup-steps", "1", "--eval-interval", "100",
+                 "--zero-stage", "1", "--ckpt-dir", out / "ckpt", "--run-dir", out / "run"],
+                nproc=2, cwd=ROOT, timeout=900)
+            assert run.returncode == 0, run.output[-6000:]
+            trained[arch] = out / "ckpt" / "step_00000003"
+        return trained[arch]
+
+    return get

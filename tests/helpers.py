@@ -1,10 +1,14 @@
-"""Test helpers: spawning gloo ranks, building AoE layers, the float64 reference of Algorithm 2."""
+"""Test helpers: spawning gloo ranks, building AoE layers, the float64 reference of Algorithm 2,
+the tiny training run's settings, and what several test files share (plain functions and
+constants; shared fixtures live in conftest.py). No test file imports another test file."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -142,10 +146,100 @@ def build_aoe_layer(tc, *, pg_collection=None, layer_number=1, **aoe_fields):
 def load_tool(name: str):
     """tools/<name>.py as a module (the tools are scripts, not a package)."""
     import importlib.util
-    from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- the tiny run
+#: The tiny run of tests/test_train.py and tests/test_kill.py: world 2 / EP 2 (two processes).
+TINY_RUN = {"preset": "tiny", "expert-parallel-size": 2, "global-batch-size": 4,
+            "micro-batch-size": 1, "warmup-steps": 3, "lr": 3e-3, "eval-interval": 4,
+            "eval-iters": 2, "log-interval": 1, "zero-stage": 2}
+
+
+def tiny_run_args(**changes) -> list:
+    """The entry point's flags for ``TINY_RUN`` with ``changes`` (``train_steps=8`` ->
+    ``--train-steps 8``), on --mock-data: these runs test the machinery, not learning."""
+    settings = {**TINY_RUN, **{k.replace("_", "-"): v for k, v in changes.items()}}
+    flags = [x for key, value in settings.items() for x in (f"--{key}", str(value))]
+    return [*flags, "--mock-data"]
+
+
+TINY_RUN_ARGS = tiny_run_args()
+
+
+# ----------------------------------------------------------------------------- shared pieces
+def singleton_pg_collection(rank: int, world_size: int):
+    """Process groups of this rank alone (an EP=1 layer inside a larger world); every rank must
+    call it (``new_group`` is collective)."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    mine = groups[rank]
+    pgc = ProcessGroupCollection()
+    for name in ("ep", "tp", "cp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp"):
+        setattr(pgc, name, mine)
+    return pgc
+
+
+def megatron_model(step_dir: Path):
+    """The megatron-core model of a checkpoint step folder (its state.json's config), in eval
+    mode, without TransformerEngine."""
+    from aoe_megatron.models.gpt import ModelConfig, build_gpt_model, transformer_config
+    from aoe_megatron.train.checkpoint import load_model_weights
+
+    cfg = ModelConfig.from_dict(json.loads((step_dir / "state.json").read_text())["config"]["model"])
+    model = build_gpt_model(cfg, transformer_config(cfg), use_te=False)
+    load_model_weights(step_dir, model)
+    return model.eval()
+
+
+def eval_rows(task: str, split: str, n: int) -> list[dict]:
+    """n made-up examples in the schema of the task's Hub dataset."""
+    rows = []
+    for i in range(n):
+        tag = f"{split} {i}"
+        if task == "arc_easy":
+            rows.append({"id": f"q{i}", "question": f"Which {tag} thing is hot?",
+                         "choices": {"text": ["ice", "the sun", "snow", "water"], "label": ["A", "B", "C", "D"]},
+                         "answerKey": "ABCD"[i % 4]})
+        elif task == "piqa":
+            rows.append({"goal": f"To open {tag} a jar", "sol1": "twist the lid", "sol2": "eat the lid",
+                         "label": i % 2})
+        elif task == "social_iqa":
+            rows.append({"context": f"Alex {tag} helped Sam.", "question": "How does Sam feel?",
+                         "answerA": "thankful", "answerB": "angry", "answerC": "bored",
+                         "label": str(1 + i % 3)})
+        elif task == "winogrande":
+            rows.append({"sentence": f"The cup {tag} fell off the table because _ was wobbly.",
+                         "option1": "the cup", "option2": "the table", "answer": str(1 + i % 2)})
+        elif task == "hellaswag":
+            rows.append({"ind": i, "activity_label": "Cooking", "ctx_a": f"A man {tag} cracks an egg.",
+                         "ctx_b": "he", "ctx": f"A man {tag} cracks an egg. he",
+                         "endings": ["fries it.", "sings.", "[title] runs away.", "sleeps."],
+                         "source_id": "x", "split": split, "split_type": "indomain",
+                         "label": str(i % 4)})
+        elif task == "mnli":
+            rows.append({"premise": f"The cat {tag} sleeps.", "hypothesis": "An animal rests.",
+                         "label": i % 3, "idx": i})
+        elif task == "qnli":
+            rows.append({"question": f"Where {tag} is Paris?", "sentence": "Paris is in France.",
+                         "label": i % 2, "idx": i})
+        elif task == "sst2":
+            rows.append({"sentence": f"{split} sentence {i} is {'wonderful' if i % 2 else 'awful'}",
+                         "label": i % 2, "idx": i})
+        elif task == "mrpc":
+            rows.append({"sentence1": f"He {tag} left.", "sentence2": "He went away.", "label": i % 2,
+                         "idx": i})
+        elif task == "qqp":
+            rows.append({"question1": f"How {tag} do I cook rice?", "question2": "How is rice cooked?",
+                         "label": i % 2, "idx": i})
+    return rows

@@ -145,6 +145,7 @@ def test_bad_flags_are_refused_clearly():
         assert out.returncode == 2 and message in out.stderr, (flags, out.stderr[-2000:])
 
 
+@pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path):
     out = _run([sys.executable, "tools/bench.py", "--quick", "--out", str(tmp_path)])
     assert "[layer tiny8] aoe-naive rep 2/2" in out.stdout  # progress lines
@@ -261,6 +262,7 @@ def test_new_flags_refuse_unknown_names(capsys):
         assert exc.value.code == 2 and message in err, (flags, err)
 
 
+@pytest.mark.slow
 def test_arms_flag_and_the_d_wide_and_parameter_columns(tmp_path):
     out = _run([sys.executable, "tools/bench.py", "--quick", "--only", "layer", "--shapes",
                 "tiny64", "--arms", "aoe,aoe-d_wide64-nearest,aoe-grouped_mm", "--reps", "1",
@@ -290,6 +292,7 @@ def test_arms_flag_and_the_d_wide_and_parameter_columns(tmp_path):
         assert row.endswith(f"| {width} | {params:,} | {params / moe:.4f} |"), row
 
 
+@pytest.mark.slow
 def test_model_archs_flag(tmp_path):
     _run([sys.executable, "tools/bench.py", "--quick", "--only", "model", "--model-archs",
           "moe,aoe-loop", "--model-reps", "1", "--out", str(tmp_path)])

@@ -48,6 +48,8 @@ def _accumulate(rank, world_size, out):
     torch.save(results, out)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bf16_gradients_accumulate_in_the_chosen_dtype(tmp_path):
     """64 micro-steps of GRAD / 64 under ZeRO-1 (DeepSpeed's BF16_Optimizer) and ZeRO-2: fp32
     accumulation sums them exactly (gradient norm 8 x GRAD); in bf16 each partial sum is rounded
@@ -121,6 +123,7 @@ def _shares(rank, world_size, stages, ep, out):
         torch.save(results, out)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stages,ep", [((1, 3), 1), ((2,), 2)])
 def test_each_rank_saves_only_its_share_of_the_optimizer_state(tmp_path, stages, ep):
     """Every state of every parameter slice is written by exactly one rank (before, every rank

@@ -7,10 +7,16 @@ fails.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.testing import assert_close
 
-from tests.helpers import build_aoe_layer, make_transformer_config, run_distributed
+from tests.helpers import (
+    build_aoe_layer,
+    make_transformer_config,
+    run_distributed,
+    singleton_pg_collection,
+)
 
 E, D, R, W = 4, 16, 6, 20
 NAMES = ("w_up", "w_p", "w_o")
@@ -68,11 +74,10 @@ def _load_at_ep(rank, world_size, path):
 
 
 def _single(rank, world_size):
-    from tests.test_expert_parallel import _singleton_pg_collection
-
-    return _singleton_pg_collection(rank, world_size)
+    return singleton_pg_collection(rank, world_size)
 
 
+@pytest.mark.distributed
 def test_save_ep2_load_ep1(megatron_world, tmp_path):
     run_distributed(_save_at_ep, 2, tmp_path / "ckpt")
     layer = _layer(1, seed=99)
@@ -82,6 +87,7 @@ def test_save_ep2_load_ep1(megatron_world, tmp_path):
     _assert_same_experts(layer, _mark(_layer(1, seed=7)))
 
 
+@pytest.mark.distributed
 def test_save_ep1_load_ep2(megatron_world, tmp_path):
     _save(_mark(_layer(1, seed=7)), tmp_path / "ckpt")
     run_distributed(_load_at_ep, 2, tmp_path / "ckpt")
@@ -121,6 +127,7 @@ def _save_gpt_at_ep(rank, world_size, path):
     torch.save({"experts": _gpt_experts(model), "dense": dense}, path.parent / f"expected{rank}.pt")
 
 
+@pytest.mark.distributed
 def test_gpt_model_saved_at_ep2_loads_at_ep1(megatron_world, tmp_path):
     from megatron.core import dist_checkpointing
 

@@ -4,13 +4,12 @@ fallback to the newest checkpoint that verifies, and --keep-last retention."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from aoe_megatron.runtime import launch
 from aoe_megatron.train import checkpoint as ckpt
 from aoe_megatron.train import integrity
 
@@ -81,26 +80,23 @@ SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size"
             "--expert-parallel-size", "2", "--zero-stage", "1"]
 
 
-def _train(tmp: Path, name: str, ckpt_dir: Path, *extra) -> subprocess.CompletedProcess:
-    from aoe_megatron.runtime.distributed import free_port
-
-    env = {**os.environ, "AOE_SUMMARY": str(tmp / f"{name}.json"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "aoe_megatron.train", *SETTINGS,
-           "--ckpt-dir", str(ckpt_dir), "--run-dir", str(tmp / f"run_{name}"), *extra]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+def _train(tmp: Path, name: str, ckpt_dir: Path, *extra) -> launch.Finished:
+    return launch.run([*SETTINGS, "--ckpt-dir", ckpt_dir, "--run-dir", tmp / f"run_{name}", *extra],
+                      nproc=2, threads=1, cwd=ROOT, timeout=600, summary=tmp / f"{name}.json")
 
 
-def _losses(tmp: Path, name: str) -> dict:
-    summary = json.loads((tmp / f"{name}.json").read_text())
-    return {int(k): v for k, v in summary["losses"].items()}, summary["start"]
+def _losses(run: launch.Finished) -> tuple:
+    summary = run.summary()
+    return summary["losses"], summary["start"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
     ck = tmp_path / "ck"
     first = _train(tmp_path, "first", ck)
-    assert first.returncode == 0, first.stdout[-5000:]
-    reference, _ = _losses(tmp_path, "first")
+    assert first.returncode == 0, first.output[-5000:]
+    reference, _ = _losses(first)
     assert [p.name for p in ckpt.checkpoints(ck)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
 
     # Three kinds of damage, newest first: a missing shard, a truncated file, flipped bytes.
@@ -114,13 +110,13 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
     flipped.write_bytes(bytes(data))
 
     second = _train(tmp_path, "second", ck, "--keep-last", "1")
-    out = second.stdout
+    out = second.output
     assert second.returncode == 0, out[-5000:]
     assert f"{missing} is missing" in out, out[-5000:]
     assert f"{truncated} has 1000 bytes" in out, out[-5000:]
     assert f"{flipped} does not match its sha256" in out, out[-5000:]
     assert "falling back to" in out and "step_00000002" in out
-    losses, start = _losses(tmp_path, "second")
+    losses, start = _losses(second)
     assert start == 2
     for step in range(3, 9):  # same layout, same data: the uninterrupted run's losses
         assert abs(losses[step] - reference[step]) <= 1e-6, (step, losses, reference)
@@ -135,7 +131,7 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
     (ck / "step_00000008" / "state.json").write_text("{}")
     third = _train(tmp_path, "third", ck)
     assert third.returncode != 0
-    assert "no checkpoint in" in third.stdout + third.stderr and "verifies" in third.stdout + third.stderr
+    assert "no checkpoint in" in third.output and "verifies" in third.output
 
 
 def test_the_verify_tool_names_damage_and_sets_its_exit_code(tmp_path, capsys):

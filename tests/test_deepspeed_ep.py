@@ -47,6 +47,8 @@ def _train(rank, world_size, arch, zero_stage, ep, out_dir):
         (out_dir / f"{arch}_z{zero_stage}_ep{ep}.json").write_text(json.dumps(losses))
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["aoe", "moe"])
 @pytest.mark.parametrize("zero_stage", [1, 2])
 def test_ep2_trains_like_ep1(tmp_path, arch, zero_stage):

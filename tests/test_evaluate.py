@@ -25,6 +25,7 @@ from aoe_megatron.evaluation.mcnemar import (
     mcnemar,
 )
 from aoe_megatron.evaluation.protocol import PAPER_TASKS, ProtocolError, resolve_tasks
+from tests.helpers import eval_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,49 +137,6 @@ def test_protocol_tasks():
 
 # ----------------------------------------------------------------------------- evaluation
 
-def _rows(task: str, split: str, n: int) -> list[dict]:
-    """n made-up examples in the schema of the task's Hub dataset."""
-    rows = []
-    for i in range(n):
-        tag = f"{split} {i}"
-        if task == "arc_easy":
-            rows.append({"id": f"q{i}", "question": f"Which {tag} thing is hot?",
-                         "choices": {"text": ["ice", "the sun", "snow", "water"], "label": ["A", "B", "C", "D"]},
-                         "answerKey": "ABCD"[i % 4]})
-        elif task == "piqa":
-            rows.append({"goal": f"To open {tag} a jar", "sol1": "twist the lid", "sol2": "eat the lid",
-                         "label": i % 2})
-        elif task == "social_iqa":
-            rows.append({"context": f"Alex {tag} helped Sam.", "question": "How does Sam feel?",
-                         "answerA": "thankful", "answerB": "angry", "answerC": "bored",
-                         "label": str(1 + i % 3)})
-        elif task == "winogrande":
-            rows.append({"sentence": f"The cup {tag} fell off the table because _ was wobbly.",
-                         "option1": "the cup", "option2": "the table", "answer": str(1 + i % 2)})
-        elif task == "hellaswag":
-            rows.append({"ind": i, "activity_label": "Cooking", "ctx_a": f"A man {tag} cracks an egg.",
-                         "ctx_b": "he", "ctx": f"A man {tag} cracks an egg. he",
-                         "endings": ["fries it.", "sings.", "[title] runs away.", "sleeps."],
-                         "source_id": "x", "split": split, "split_type": "indomain",
-                         "label": str(i % 4)})
-        elif task == "mnli":
-            rows.append({"premise": f"The cat {tag} sleeps.", "hypothesis": "An animal rests.",
-                         "label": i % 3, "idx": i})
-        elif task == "qnli":
-            rows.append({"question": f"Where {tag} is Paris?", "sentence": "Paris is in France.",
-                         "label": i % 2, "idx": i})
-        elif task == "sst2":
-            rows.append({"sentence": f"{split} sentence {i} is {'wonderful' if i % 2 else 'awful'}",
-                         "label": i % 2, "idx": i})
-        elif task == "mrpc":
-            rows.append({"sentence1": f"He {tag} left.", "sentence2": "He went away.", "label": i % 2,
-                         "idx": i})
-        elif task == "qqp":
-            rows.append({"question1": f"How {tag} do I cook rice?", "question2": "How is rice cooked?",
-                         "label": i % 2, "idx": i})
-    return rows
-
-
 EVAL_SPLITS = {"arc_easy": "test", "mnli": "validation_matched"}  # others: validation
 N_EVAL, N_TRAIN = 5, 6
 
@@ -194,7 +152,7 @@ def eval_data(tmp_path_factory) -> Path:
         for split, n in splits.items():
             (root / t.name).mkdir(exist_ok=True)
             with open(root / t.name / f"{split}.jsonl", "w") as f:
-                for row in _rows(t.name, split, n):
+                for row in eval_rows(t.name, split, n):
                     f.write(json.dumps(row) + "\n")
     return root
 
@@ -294,6 +252,7 @@ def test_markdown_table(eval_run):
     assert cells[1:] == [f"{100 * v:.2f}" for v in values] + [f"{100 * sum(values) / 10:.2f}"]
 
 
+@pytest.mark.slow
 def test_cli_subset_limit_and_determinism(eval_run, hf_eval_model, eval_data, tmp_path):
     """The CLI on two tasks, first 3 examples: same outcomes and prompts as the full API run."""
     _, run = eval_run
@@ -369,7 +328,7 @@ def test_fetch_data_requests_the_needed_splits(monkeypatch, tmp_path):
         calls.append((path, name, split))
         task = {"allenai/ai2_arc": "arc_easy", "baber/piqa": "piqa", "lighteval/siqa": "social_iqa",
                 "allenai/winogrande": "winogrande", "Rowan/hellaswag": "hellaswag"}.get(path, name)
-        return datasets.Dataset.from_list(_rows(task, split, 2))
+        return datasets.Dataset.from_list(eval_rows(task, split, 2))
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     written = fetch_data(tmp_path, list(PAPER_TASKS))
@@ -380,7 +339,7 @@ def test_fetch_data_requests_the_needed_splits(monkeypatch, tmp_path):
         ("nyu-mll/glue", "mnli", "validation_matched"), ("nyu-mll/glue", "mnli", "train"),
         *[("nyu-mll/glue", t, s) for t in ("qnli", "sst2", "mrpc", "qqp") for s in ("validation", "train")]])
     assert len(written) == 15 and (tmp_path / "mnli" / "validation_matched.jsonl").is_file()
-    assert _jsonl(tmp_path / "arc_easy" / "test.jsonl") == _rows("arc_easy", "test", 2)
+    assert _jsonl(tmp_path / "arc_easy" / "test.jsonl") == eval_rows("arc_easy", "test", 2)
     calls.clear()
     assert fetch_data(tmp_path, resolve_tasks(["sst2"])) == [] and calls == []  # kept
     assert len(fetch_data(tmp_path, resolve_tasks(["sst2"]), overwrite=True)) == 2

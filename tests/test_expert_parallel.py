@@ -8,25 +8,20 @@ what data-parallel reduction does).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
-from tests.helpers import build_aoe_layer, make_transformer_config, run_distributed
+from tests.helpers import (
+    build_aoe_layer,
+    make_transformer_config,
+    run_distributed,
+    singleton_pg_collection,
+)
 
 D, R, W = 16, 6, 20
 CASES = [(disp, mode) for disp in ("alltoall", "allgather") for mode in ("send", "recompute")]
-
-
-def _singleton_pg_collection(rank: int, world_size: int):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    groups = [dist.new_group([r]) for r in range(world_size)]
-    mine = groups[rank]
-    pgc = ProcessGroupCollection()
-    for name in ("ep", "tp", "cp", "expt_tp", "expt_dp", "tp_ep", "tp_cp", "tp_dp_cp"):
-        setattr(pgc, name, mine)
-    return pgc
 
 
 def _forward_backward(layer, x, g):
@@ -43,7 +38,7 @@ def _summed(t):
 
 
 def _check_ep_equals_ep1(rank, world_size, num_experts, top_k, expert_backend="auto"):
-    single = _singleton_pg_collection(rank, world_size)
+    single = singleton_pg_collection(rank, world_size)
     for dispatcher, cache_mode in CASES:
         where = f"[rank {rank}, EP={world_size}, {dispatcher}, cache {cache_mode}, {expert_backend}]"
         layers = {}
@@ -82,14 +77,19 @@ def _check_ep_equals_ep1(rank, world_size, num_experts, top_k, expert_backend="a
                          msg=f"{where} grad W_down", **tol)
 
 
+@pytest.mark.distributed
 def test_ep2_equals_ep1():
     run_distributed(_check_ep_equals_ep1, 2, 4, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ep4_equals_ep1():
     run_distributed(_check_ep_equals_ep1, 4, 8, 2)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_ep2_equals_ep1_with_padded_and_autograd_experts():
     run_distributed(_check_ep_equals_ep1, 2, 4, 2, "padded")
     run_distributed(_check_ep_equals_ep1, 2, 4, 2, "autograd")

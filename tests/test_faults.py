@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from aoe_megatron.runtime import launch
 from aoe_megatron.train.datacheck import (
     MOCK,
     DataChanged,
@@ -31,14 +30,9 @@ SETTINGS = ["--preset", "tiny", "--expert-parallel-size", "2", "--global-batch-s
             "--log-interval", "1"]
 
 
-def _launch(args, *, summary=None) -> subprocess.CompletedProcess:
+def _launch(args, *, summary=None) -> launch.Finished:
     """Two CPU ranks through torchrun; bounded in time."""
-    from aoe_megatron.runtime.distributed import free_port
-
-    env = {**os.environ, **({"AOE_SUMMARY": str(summary)} if summary else {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "-m", "aoe_megatron.train", *SETTINGS, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return launch.run([*SETTINGS, *args], nproc=2, cwd=ROOT, timeout=240, summary=summary)
 
 
 def _records(run_dir, kind) -> dict:
@@ -272,6 +266,8 @@ def test_data_rebuilt_into_the_same_prefix_gets_fresh_dataset_indices(tmp_path):
 
 
 # --- end to end: two ranks through torchrun -------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_non_finite_steps_are_skipped_within_the_limit_then_stop_the_run(tmp_path):
     """NaN losses injected at steps 3 and 5 of 6; checkpoints every 2 steps, validation every
     step. With --skip-nonfinite 1 the run skips 3, saves 4 and stops at 5, keeping step 4; the
@@ -283,7 +279,7 @@ def test_non_finite_steps_are_skipped_within_the_limit_then_stop_the_run(tmp_pat
             "--run-dir", str(run)]
 
     first = _launch([*args, "--skip-nonfinite", "1"])
-    out = first.stdout + first.stderr
+    out = first.output
     assert first.returncode != 0, out
     assert "step 3: non-finite loss nan / grad norm inf; update skipped (1 of at most 1" in out
     assert ("error: step 5: non-finite loss nan / grad norm inf; the run stops (step(s) 3 were "
@@ -298,11 +294,11 @@ def test_non_finite_steps_are_skipped_within_the_limit_then_stop_the_run(tmp_pat
 
     summary = tmp_path / "summary.json"
     second = _launch([*args, "--skip-nonfinite", "2"], summary=summary)
-    out = second.stdout + second.stderr
+    out = second.output
     assert second.returncode == 0, out
     assert f"resumed from {ck / 'step_00000004'}" in out
     assert "step 5: non-finite loss nan / grad norm inf; update skipped (2 of at most 2" in out
-    assert json.loads(summary.read_text())["nonfinite_skipped"] == [3, 5]
+    assert second.summary()["nonfinite_skipped"] == [3, 5]
     assert _state(ck, 6)["nonfinite_skipped_steps"] == [3, 5]
     assert not (run / "halted.json").exists() and (run / "finished.json").exists()
     skips = _records(run, "nonfinite")
@@ -317,6 +313,8 @@ def test_non_finite_steps_are_skipped_within_the_limit_then_stop_the_run(tmp_pat
     assert valid[4]["loss"] != valid[3]["loss"]  # a step that is not skipped trains
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     """Train 2 steps on a tiny corpus, preprocess other text into the same prefix, resume."""
     prefix = _preprocess(tmp_path / "corpus", slice(0, 20))
@@ -326,14 +324,14 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     args = ["--data", str(data), "--eval-interval", "0", "--eval-iters", "1", "--ckpt-dir",
             str(ck), "--run-dir", str(run)]
     first = _launch([*args, "--train-steps", "2"])
-    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.returncode == 0, first.output
     recorded = _state(ck, 2)["data"]
     assert recorded == json.loads(json.dumps(fingerprint(str(data))))
 
     _preprocess(tmp_path / "corpus", slice(20, 45))
     now = fingerprint(str(data))["datasets"][0]
     refused = _launch([*args, "--train-steps", "3"])
-    out = refused.stdout + refused.stderr
+    out = refused.output
     assert refused.returncode != 0, out
     assert f"error: the data differs from what {ck / 'step_00000002'} was trained on:" in out
     then = recorded["datasets"][0]
@@ -345,7 +343,7 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     assert json.loads((run / "halted.json").read_text())["reason"] == "DataChanged"
 
     allowed = _launch([*args, "--train-steps", "3", "--allow-data-change"])
-    out = allowed.stdout + allowed.stderr
+    out = allowed.output
     assert allowed.returncode == 0, out
     assert "WARNING: --allow-data-change: resuming from" in out
     assert f"tokens: {then['tokens']} (checkpoint) vs {now['tokens']} (now)" in out

@@ -23,6 +23,7 @@ def _check(tmp_path, *flags, timeout=600, **env):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_cpu_form_runs_every_step_and_writes_the_results(tmp_path):
     """Started from inside a launched job (its rendezvous port taken, as pytest's own process

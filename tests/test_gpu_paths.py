@@ -49,13 +49,12 @@ def meta_only_group(monkeypatch):
     return seen
 
 
-def test_stop_flag_is_agreed_on_the_comm_device(meta_only_group):
-    from aoe_megatron.train.loop import _StopFlag
+def test_the_steps_agreement_is_reduced_on_the_comm_device(meta_only_group):
+    """The step's one collective (loss, non-finite count, stop flag), from a CPU-side loss."""
+    from aoe_megatron.train.step import agree_on_step
 
-    flag = _StopFlag.__new__(_StopFlag)  # without installing signal handlers in pytest
-    flag.raised = True
     with pytest.raises(ReachedCollective):
-        flag.agreed()
+        agree_on_step(torch.tensor(2.5), stop_raised=True)
     assert meta_only_group == [torch.device("meta")]
 
 
@@ -193,14 +192,12 @@ def test_reading_the_world_size_writes_nothing(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_training_collectives_on_nccl(megatron_world):
-    """On the NCCL group megatron_world starts: the stop flag, a loss and the statistics."""
-    from aoe_megatron.train.loop import _StopFlag
+    """On the NCCL group megatron_world starts: the step's agreement, a loss and the statistics."""
     from aoe_megatron.train.metrics import selection_stats
+    from aoe_megatron.train.step import agree_on_step
 
     assert dist.get_backend() == "nccl" and distributed.comm_device().type == "cuda"
-    flag = _StopFlag.__new__(_StopFlag)
-    flag.raised = True
-    assert flag.agreed() is True
+    assert agree_on_step(torch.tensor(2.5, device="cuda"), stop_raised=True) == (2.5, 0, True)
     loss = torch.tensor(2.5, device="cuda")
     assert distributed.reduce_across_ranks(loss, op="mean").item() == 2.5
     router = SimpleNamespace(last_load=torch.full((4,), 0.25), last_mean_norm=torch.ones(4),

@@ -16,58 +16,11 @@ import torch
 
 from aoe_megatron.hf.checkpoint_io import CheckpointReader, ConversionError
 from aoe_megatron.hf.convert import export_to_hf, import_from_hf
+from tests.helpers import eval_rows, megatron_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CORPUS = ROOT / "assets" / "corpus" / "shakespeare.jsonl"
 MIXED_TEXT = "  Two  leading spaces,\tthen   runs of spaces; digits 0 12 345 6789 and 3.14159;\n\n" \
              "unicode: café, naïve, Ærø, 日本語, emoji 🙂, <s> and </s> as text.  "
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """60 documents of the demo corpus, tokenized with BOS prepended (the policy export must carry)."""
-    from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
-
-    root = tmp_path_factory.mktemp("corpus")
-    src = root / "docs.jsonl"
-    with open(CORPUS) as fh:
-        src.write_text("".join(next(fh) for _ in range(60)))
-    preprocess(PreprocessConfig(inputs=(str(src),), output_prefix=str(root / "d"), append_eod=True,
-                                prepend_bos=True, workers=0, log_interval=1e9))
-    data = root / "data.yaml"
-    data.write_text(f"blend:\n  - {{prefix: {root / 'd_text_document'}, weight: 1}}\nsplit: '90,10,0'\n")
-    return {"root": root, "data": data, "src": src, "prefix": root / "d_text_document"}
-
-
-_TRAINED: dict = {}
-
-
-def trained_checkpoint(arch: str, corpus, tmp_path_factory) -> Path:
-    """A tiny model of ``arch`` trained 3 steps at EP=2 over two processes (ZeRO-1)."""
-    if arch not in _TRAINED:
-        from aoe_megatron.runtime.distributed import free_port
-
-        out = tmp_path_factory.mktemp(f"train_{arch}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_port", str(free_port()), "-m", "aoe_megatron.train", "--preset", "tiny",
-               "--arch", arch, "--data", str(corpus["data"]), "--expert-parallel-size", "2",
-               "--train-steps", "3", "--global-batch-size", "4", "--micro-batch-size", "1",
-               "--warmup-steps", "1", "--eval-interval", "100", "--zero-stage", "1",
-               "--ckpt-dir", str(out / "ckpt"), "--run-dir", str(out / "run")]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        _TRAINED[arch] = out / "ckpt" / "step_00000003"
-    return _TRAINED[arch]
-
-
-def megatron_model(step_dir: Path):
-    from aoe_megatron.models.gpt import ModelConfig, build_gpt_model, transformer_config
-    from aoe_megatron.train.checkpoint import load_model_weights
-
-    cfg = ModelConfig.from_dict(json.loads((step_dir / "state.json").read_text())["config"]["model"])
-    model = build_gpt_model(cfg, transformer_config(cfg), use_te=False)
-    load_model_weights(step_dir, model)
-    return model.eval()
 
 
 def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -94,11 +47,13 @@ def _all_tensors(step_dir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["aoe", "moe"])
-def test_export_matches_megatron_and_round_trips(arch, corpus, tmp_path, tmp_path_factory, megatron_world):
+def test_export_matches_megatron_and_round_trips(arch, corpus, tmp_path, trained_checkpoint,
+                                                 megatron_world):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    step_dir = trained_checkpoint(arch, corpus, tmp_path_factory)
+    step_dir = trained_checkpoint(arch)
     hf_dir = tmp_path / "hf"
     if arch == "aoe":  # the command line once, the API otherwise
         proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--checkpoint",
@@ -131,21 +86,24 @@ def test_export_matches_megatron_and_round_trips(arch, corpus, tmp_path, tmp_pat
     # greedy generation of 20 tokens: HF with its KV cache, megatron recomputing everything
     generated = hf.generate(ids[:1, :12], max_new_tokens=20, do_sample=False, min_new_tokens=20,
                             eos_token_id=None, pad_token_id=0)
-    assert torch.equal(generated, megatron_greedy(reference, ids[:1, :12], 20))
+    torch.testing.assert_close(generated, megatron_greedy(reference, ids[:1, :12], 20),
+                               rtol=0, atol=0)
 
     back = import_from_hf(hf_dir, tmp_path / "back", log=None)
     original, restored = _all_tensors(step_dir), _all_tensors(back)
     assert original.keys() == restored.keys()
     for key, value in original.items():
-        assert restored[key].dtype == value.dtype and torch.equal(restored[key], value), key
-    assert torch.equal(megatron_logits(megatron_model(back), ids), want)
+        torch.testing.assert_close(restored[key], value, rtol=0, atol=0,  # dtype checked too
+                                   msg=lambda m, key=key: f"{key}: {m}")
+    torch.testing.assert_close(megatron_logits(megatron_model(back), ids), want, rtol=0, atol=0)
 
 
 @pytest.mark.slow
-def test_sharded_safetensors_load_the_same(corpus, tmp_path, tmp_path_factory):
+@pytest.mark.distributed
+def test_sharded_safetensors_load_the_same(tmp_path, trained_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    step_dir = trained_checkpoint("aoe", corpus, tmp_path_factory)
+    step_dir = trained_checkpoint("aoe")
     export_to_hf(step_dir, tmp_path / "one", log=None)
     export_to_hf(step_dir, tmp_path / "many", max_shard_bytes=2**18, log=None)
     index = json.loads((tmp_path / "many" / "model.safetensors.index.json").read_text())
@@ -154,7 +112,7 @@ def test_sharded_safetensors_load_the_same(corpus, tmp_path, tmp_path_factory):
     one, many = (AutoModelForCausalLM.from_pretrained(tmp_path / name, trust_remote_code=True)
                  for name in ("one", "many"))
     with torch.no_grad():
-        assert torch.equal(one(ids).logits, many(ids).logits)
+        torch.testing.assert_close(one(ids).logits, many(ids).logits, rtol=0, atol=0)
 
 
 def test_exported_tokenizer_is_the_preprocessing_tokenizer(corpus, tmp_path):
@@ -200,10 +158,11 @@ def _no_partial_left(parent: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bad_inputs_fail_clearly_and_leave_nothing(corpus, tmp_path, tmp_path_factory):
+@pytest.mark.distributed
+def test_bad_inputs_fail_clearly_and_leave_nothing(corpus, tmp_path, trained_checkpoint):
     from aoe_megatron.data.train_tokenizer import train_tokenizer
 
-    step_dir = trained_checkpoint("aoe", corpus, tmp_path_factory)
+    step_dir = trained_checkpoint("aoe")
     out = tmp_path / "hf"
 
     # a missing shard file
@@ -321,17 +280,17 @@ def test_export_memory_stays_near_one_layer_slice(corpus, tmp_path):
 
 
 @pytest.mark.slow
-def test_exported_aoe_model_runs_the_evaluation(corpus, tmp_path, tmp_path_factory):
+@pytest.mark.distributed
+def test_exported_aoe_model_runs_the_evaluation(tmp_path, trained_checkpoint):
     """tools/evaluate.py's harness on the exported AoE folder: a zero-shot multiple-choice task and
     a 3-shot task, offline, and lm-eval encodes with the training data's BOS policy."""
     from aoe_megatron.evaluation.harness import EvalConfig, run_evaluation
-    from tests.test_evaluate import _rows
 
-    hf_dir = export_to_hf(trained_checkpoint("aoe", corpus, tmp_path_factory), tmp_path / "hf", log=None)
+    hf_dir = export_to_hf(trained_checkpoint("aoe"), tmp_path / "hf", log=None)
     data = tmp_path / "eval_data"
     for task, split, n in (("arc_easy", "test", 4), ("sst2", "validation", 4), ("sst2", "train", 6)):
         (data / task).mkdir(parents=True, exist_ok=True)
-        (data / task / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows(task, split, n)))
+        (data / task / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in eval_rows(task, split, n)))
     run = run_evaluation(EvalConfig(model=hf_dir, data_dir=data, output=tmp_path / "eval", device="cpu",
                                     tasks=("arc_easy", "sst2"), datasets_cache=tmp_path / "cache"))
     assert run.summary["tasks"]["sst2"]["num_fewshot"] == 3 and run.summary["tasks"]["arc_easy"]["n"] == 4

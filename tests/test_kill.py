@@ -4,16 +4,19 @@ run's losses exactly."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 import uuid
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 
-from tests.test_train import COMMON, _free_port, _torchrun
+from aoe_megatron.runtime import launch
+from tests.helpers import TINY_RUN_ARGS
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # NOTE: torchrun SIGTERMs the survivors as soon as a worker dies and SIGKILLs them 30 s later
 # (its --shutdown-timeout), so a survivor stuck anywhere ends the job in about 30 s; one that
@@ -60,25 +63,26 @@ def _log_until(path: Path, proc, phrase: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_sigkill_of_one_rank_fails_fast_and_the_restart_matches_the_uninterrupted_run(tmp_path):
     token = uuid.uuid4().hex
     env = {"AOE_TEST_KILL": token}
     steps = ["--train-steps", "8", "--save-interval", "2"]
-    full = tmp_path / "full.json"
-    proc = _torchrun([*COMMON, *steps, "--ckpt-dir", str(tmp_path / "ck_full"),
-                      "--run-dir", str(tmp_path / "run_full")],
-                     port=_free_port(), env_extra={**env, "AOE_SUMMARY": str(full)})
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    reference = {int(k): v for k, v in json.loads(full.read_text())["losses"].items()}
+    full = launch.run([*TINY_RUN_ARGS, *steps, "--ckpt-dir", tmp_path / "ck_full",
+                       "--run-dir", tmp_path / "run_full"],
+                      nproc=2, env=env, cwd=ROOT, timeout=600, summary=tmp_path / "full.json")
+    assert full.returncode == 0, full.output
+    reference = full.summary()["losses"]
     assert sorted(reference) == list(range(1, 9))
 
     ckpt_dir = tmp_path / "ck"
-    args = [*COMMON, *steps, "--ckpt-dir", str(ckpt_dir), "--run-dir", str(tmp_path / "run")]
+    args = [*TINY_RUN_ARGS, *steps, "--ckpt-dir", ckpt_dir, "--run-dir", tmp_path / "run"]
     first = tmp_path / "first.log"
     try:
         with open(first, "w") as log:
-            proc = _torchrun(args, port=_free_port(), env_extra=env, log=log)
+            # launch.start, not launch.run: the test needs torchrun's PID to find the workers.
+            proc = launch.start(args, nproc=2, env=env, cwd=ROOT, stdout=log)
             # Step 5 is logged after the checkpoint of step 4: the ranks are in step 6 now.
             _log_until(first, proc, "step       5/8", timeout=300)
             # NOTE: rank 1, so that the survivor is rank 0, the rank that renames a finished
@@ -104,17 +108,17 @@ def test_sigkill_of_one_rank_fails_fast_and_the_restart_matches_the_uninterrupte
     resumed_from = int(named.split("_")[1])
     assert resumed_from in (4, 6), named  # 6 only if the save of step 6 was complete by then
 
-    resumed = tmp_path / "resumed.json"
-    proc = _torchrun(args, port=_free_port(), env_extra={**env, "AOE_SUMMARY": str(resumed)})
     try:
-        out, _ = proc.communicate(timeout=600)
+        resumed = launch.run(args, nproc=2, env=env, cwd=ROOT, timeout=600,
+                             summary=tmp_path / "resumed.json")
     finally:
         _kill_tagged(token)
-    assert proc.returncode == 0, out
+    out = resumed.output
+    assert resumed.returncode == 0, out
     assert f"resumed from {ckpt_dir / named} at step {resumed_from}" in out, out
-    summary = json.loads(resumed.read_text())
+    summary = resumed.summary()
     assert summary["start"] == resumed_from
-    after = {int(k): v for k, v in summary["losses"].items()}
+    after = summary["losses"]
     assert sorted(after) == list(range(resumed_from + 1, 9))
     # Same layout, same data, CPU: the resumed run is bit-identical to the uninterrupted one.
     assert after == {step: reference[step] for step in after}, (after, reference)
@@ -148,12 +152,15 @@ def _fork_then_die(rank, port, pids):
         pids.put(("raised", time.monotonic() - start))
 
 
+@pytest.mark.distributed  # two spawned ranks, about 6 s
 def test_a_rank_killed_with_a_forked_child_alive_is_still_seen_to_die():
     # Without the parent-death signal the child keeps rank 0's sockets open: rank 1 waits the
     # whole timeout (a minute here) and the child lives on.
+    from aoe_megatron.runtime.distributed import free_port
+
     ctx = mp.get_context("spawn")
     pids = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()  # two ranks spawned here, not a launch: they need a rendezvous port
     procs = [ctx.Process(target=_fork_then_die, args=(r, port, pids)) for r in range(2)]
     for p in procs:
         p.start()

@@ -149,3 +149,52 @@ def test_the_patches_load_under_the_package_namespace():
     assert aoe_megatron.apply_patches is _patches.apply_patches
     assert Path(_patches.__file__).parent.name == "patches"  # the checkout's folder
     assert "patches" not in sys.modules  # no top-level module of that name
+
+
+def _test_module_imports(path: Path) -> list:
+    """The test modules (``test_*``) that ``path`` imports, anywhere in its body: ``from
+    tests.test_x import ...``, ``import tests.test_x``, ``from .test_x import ...``, ``from . import
+    test_x``, ``from tests import test_x`` and the bare ``import test_x``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level == 0 and base not in ("", "tests"):
+                names = [base]
+            else:  # relative, or ``from tests import ...``: the names may be modules
+                names = [f"{base}.{alias.name}" if base else alias.name for alias in node.names]
+                names.append(base)
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tests":
+                parts = parts[1:]
+            if parts and parts[0].startswith("test_"):
+                found.append(f"line {node.lineno}: {parts[0]}")
+    return found
+
+
+def test_no_test_file_imports_another_test_file():
+    """What test files share lives in tests/helpers.py (functions, constants) or tests/conftest.py
+    (fixtures): importing a test module runs its module-level code and collects its fixtures
+    twice, and ties the two files' names together."""
+    tests = Path(__file__).resolve().parent
+    offenders = {p.name: found for p in sorted(tests.glob("test_*.py"))
+                 if (found := _test_module_imports(p))}
+    assert not offenders, offenders
+
+
+def test_the_test_import_check_sees_every_form(tmp_path):
+    forms = ["from tests.test_train import COMMON", "import tests.test_train",
+             "from .test_train import COMMON", "from . import test_train",
+             "from tests import test_train", "import test_train",
+             "def f():\n    from tests.test_train import COMMON"]
+    for form in forms:
+        (tmp_path / "test_x.py").write_text(form + "\n")
+        assert _test_module_imports(tmp_path / "test_x.py"), form
+    (tmp_path / "test_x.py").write_text("from tests.helpers import run_distributed\n"
+                                        "from tests import helpers\nimport torch.testing\n")
+    assert _test_module_imports(tmp_path / "test_x.py") == []

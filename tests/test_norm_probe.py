@@ -6,9 +6,6 @@ float64 hand computation), and the command line's bad inputs."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from aoe_megatron.runtime import launch
 from aoe_megatron.study import hf_probe, probe
-from tests.helpers import reference_aoe
-from tests.test_hf_export import corpus  # noqa: F401  (the fixture: 60 tokenized documents)
+from tests.helpers import megatron_model, reference_aoe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,28 +133,22 @@ def test_forced_expert_losses_match_a_float64_reference(megatron_world):
 
 # ----------------------------------------------------------------------------- end to end
 
-def _clean_env() -> dict:
-    return {k: v for k, v in os.environ.items()
-            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-
-
 @pytest.fixture(scope="module")
-def aoe_checkpoint(corpus, tmp_path_factory):  # noqa: F811
+def aoe_checkpoint(corpus, tmp_path_factory):
     """A tiny AoE model trained 2 steps by ``python -m aoe_megatron.train`` (one process)."""
     out = tmp_path_factory.mktemp("train_aoe")
-    cmd = [sys.executable, "-m", "aoe_megatron.train", "--preset", "tiny", "--data", str(corpus["data"]),
-           "--train-steps", "2", "--global-batch-size", "2", "--micro-batch-size", "1",
-           "--warmup-steps", "1", "--eval-interval", "100", "--ckpt-dir", str(out / "ckpt"),
-           "--run-dir", str(out / "run")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = launch.run(["--preset", "tiny", "--data", corpus["data"], "--train-steps", "2",
+                      "--global-batch-size", "2", "--micro-batch-size", "1", "--warmup-steps", "1",
+                      "--eval-interval", "100", "--ckpt-dir", out / "ckpt", "--run-dir", out / "run"],
+                     nproc=1, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.output[-6000:]
     return out / "ckpt"
 
 
-def test_probe_end_to_end_on_a_trained_checkpoint(aoe_checkpoint, corpus, tmp_path,  # noqa: F811
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_probe_end_to_end_on_a_trained_checkpoint(aoe_checkpoint, corpus, tmp_path,
                                                   megatron_world, capsys):
-    from tests.test_hf_export import megatron_model
-
     out = tmp_path / "probe" / "p.json"
     assert _cli().main([str(aoe_checkpoint), "--data", str(corpus["data"]), "--sequences", "3",
                         "--batch-size", "2", "--output", str(out)]) == 0
@@ -186,7 +177,7 @@ def test_probe_end_to_end_on_a_trained_checkpoint(aoe_checkpoint, corpus, tmp_pa
 # ----------------------------------------------------------------------------- Table 1 (HF)
 
 @pytest.fixture(scope="module")
-def moe_export(corpus, tmp_path_factory, megatron_world):  # noqa: F811
+def moe_export(corpus, tmp_path_factory, megatron_world):
     """A tiny stock-MoE checkpoint (initial weights, routers made decisive) and its Mixtral export."""
     from megatron.core import dist_checkpointing
 
@@ -255,10 +246,10 @@ def test_table1_node_selection_matches_a_float64_hand_computation(moe_export):
             assert_close(got[0], want, rtol=1e-10, atol=1e-12, msg=f"{node}, {weighting} weights")
             assert 0 <= sel.agreement()["agreement_same_set"] <= 1 and sel.counts["tokens"] == 10
             assert not torch.allclose(got, router_out)  # the router was really replaced
-        assert torch.equal(block(x), router_out)  # and restored
+        assert_close(block(x), router_out, rtol=0, atol=0)  # and restored
 
 
-def test_table1_probe_keeps_the_models_own_loss(moe_export, corpus, tmp_path, capsys):  # noqa: F811
+def test_table1_probe_keeps_the_models_own_loss(moe_export, corpus, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = dict(max_tokens=24, max_docs=3, dtype="fp32", device="cpu")
@@ -305,7 +296,7 @@ def test_table1_probe_keeps_the_models_own_loss(moe_export, corpus, tmp_path, ca
     assert "| out: experts' final outputs |" in capsys.readouterr().out
 
 
-def test_table1_probe_on_olmoe(moe_export, corpus, tmp_path):  # noqa: F811
+def test_table1_probe_on_olmoe(moe_export, corpus, tmp_path):
     """OLMoE's layout (no renormalisation of the top-K router weights): a random tiny model with
     the exported folder's tokenizer."""
     import shutil
@@ -344,7 +335,7 @@ def test_table1_probe_on_olmoe(moe_export, corpus, tmp_path):  # noqa: F811
 
 # ----------------------------------------------------------------------------- bad input
 
-def test_command_line_refuses_bad_input(moe_export, corpus, tmp_path, capsys):  # noqa: F811
+def test_command_line_refuses_bad_input(moe_export, corpus, tmp_path, capsys):
     cli = _cli()
     data = str(corpus["data"])
     cases = [

@@ -20,10 +20,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 NEEDED = ("slurmctld", "slurmd", "sbatch", "munged", "mungekey", "runuser")
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(t) for t in NEEDED),
-    reason="needs root and Debian's slurmctld slurmd slurm-client munge (`make test` installs them)",
-)
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.distributed,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not all(shutil.which(t) for t in NEEDED),
+        reason="needs root and Debian's slurmctld slurmd slurm-client munge (`make test` installs them)",
+    ),
+]
 
 
 def _free_port_block(n: int = 3) -> int:
@@ -198,7 +203,7 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
     Periodic saves (every 4 steps) come before the warning: the save it asks for must still
     work although Slurm signals every process of the step (``checkpoint.start_writer``).
     """
-    from aoe_megatron.runtime.distributed import free_port
+    from aoe_megatron.runtime import launch
 
     steps, hold_at = 24, 8
     data = _small_corpus(tmp_path)
@@ -222,14 +227,11 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
 
         reference_dir = tmp_path / "reference"
         with open(tmp_path / "reference.out", "w") as reference_log:
-            reference = subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                 "--master_port", str(free_port()), "-m", "aoe_megatron.train",
-                 "--preset", "tiny", "--data", str(data), "--expert-parallel-size", "2",
-                 "--zero-stage", "1", "--train-steps", str(steps), "--eval-interval", "0",
-                 "--log-interval", "1", "--save-interval", "4", "--run-dir", str(reference_dir)],
-                cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=reference_log,
-                stderr=subprocess.STDOUT)
+            reference = launch.start(
+                ["--preset", "tiny", "--data", data, "--expert-parallel-size", "2",
+                 "--zero-stage", "1", "--train-steps", steps, "--eval-interval", "0",
+                 "--log-interval", "1", "--save-interval", "4", "--run-dir", reference_dir],
+                nproc=2, threads=1, cwd=ROOT, stdout=reference_log)
 
         def wake_if_never_warned():  # never needed when Slurm behaves; a failure must not hang
             if held and time.time() > first_warning + CHECK_S + 10:

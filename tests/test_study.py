@@ -65,6 +65,8 @@ def quick_study(quick_spec, tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study, quick_spec):
     out, proc = quick_study
     doc = json.loads((out / "results.json").read_text())
@@ -110,6 +112,8 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     assert f"{doc['arms']['aoe']['heldout_loss']['mean']:.4f}" in report and "![loss](loss.png)" in report
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_finished_runs_are_reused_and_an_interrupted_one_resumes(quick_study, quick_spec):
     out, _ = quick_study
     before = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed*/eval.json")}
@@ -129,6 +133,8 @@ def test_finished_runs_are_reused_and_an_interrupted_one_resumes(quick_study, qu
     assert after == before  # nothing re-evaluated: the checkpoint and settings are the same
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_changed_spec_is_refused_not_mixed(quick_study, quick_spec, tmp_path):
     out, _ = quick_study
     raw = yaml.safe_load(quick_spec.read_text())

@@ -31,7 +31,6 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from aoe_megatron.models import spec as spec_mod
-from tests.test_hf_export import corpus  # noqa: F401  (fixture: a tokenized corpus and its manifest)
 
 
 class CPUTESpecProvider(TESpecProvider):

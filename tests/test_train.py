@@ -4,37 +4,24 @@ TensorBoard and the run record."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import run_distributed
+from aoe_megatron.runtime import launch
+from tests.helpers import TINY_RUN_ARGS, run_distributed, tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = {"preset": "tiny", "expert-parallel-size": 2, "global-batch-size": 4,
-            "micro-batch-size": 1, "warmup-steps": 3, "lr": 3e-3, "eval-interval": 4,
-            "eval-iters": 2, "log-interval": 1, "zero-stage": 2}
-
-
-def _args(**changes) -> list:
-    settings = {**SETTINGS, **{k.replace("_", "-"): v for k, v in changes.items()}}
-    flags = [x for key, value in settings.items() for x in (f"--{key}", str(value))]
-    return [*flags, "--mock-data"]  # these runs test the machinery, not learning
-
-
-COMMON = _args()
 
 
 #: The tiny run's first losses, recorded on 2026-12-04 at 3ed2fe6 (this project's CI-class VM,
 #: torch 2.13.0 CPU), before issue #22 reorganises the launch: a change of the math moves them
 #: by far more than 1e-6 (relative), another CPU's kernels by less. Re-pin only for a change of
-#: the math made on purpose, and say why. World 2 / EP 2: SETTINGS, --mock-data, 8 steps.
+#: the math made on purpose, and say why. World 2 / EP 2: tests.helpers.TINY_RUN, --mock-data,
+#: 8 steps.
 PINNED_W2_EP2 = {1: 10.386086463928223, 2: 10.382135391235352, 3: 10.386457443237305,
                  4: 10.389907836914062, 5: 10.365836143493652, 6: 10.383447647094727,
                  7: 10.381346702575684, 8: 10.37588882446289}
@@ -47,35 +34,22 @@ def _assert_pinned(losses: dict, pinned: dict) -> None:
     assert got == pytest.approx(pinned, rel=1e-6), (got, pinned)
 
 
-def _torchrun(args, *, port, env_extra=None, log=None):
-    env = {**os.environ, **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master_port", str(port), "-m", "aoe_megatron.train", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log or subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _free_port():
-    from aoe_megatron.runtime.distributed import free_port
-
-    return free_port()
-
-
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
     steps = ["--train-steps", "8"]
-    full = tmp_path / "full.json"
-    proc = _torchrun([*COMMON, *steps, "--ckpt-dir", str(tmp_path / "ck_full"),
-                      "--run-dir", str(tmp_path / "run_full")],
-                     port=_free_port(), env_extra={"AOE_SUMMARY": str(full)})
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    reference = {int(k): v for k, v in json.loads(full.read_text())["losses"].items()}
+    full = launch.run([*TINY_RUN_ARGS, *steps, "--ckpt-dir", tmp_path / "ck_full",
+                       "--run-dir", tmp_path / "run_full"],
+                      nproc=2, cwd=ROOT, timeout=600, summary=tmp_path / "full.json")
+    assert full.returncode == 0, full.output
+    full_summary = full.summary()
+    reference = full_summary["losses"]
     assert sorted(reference) == list(range(1, 9))
     _assert_pinned(reference, PINNED_W2_EP2)
 
-    args = [*COMMON, *steps, "--ckpt-dir", str(tmp_path / "ck"), "--run-dir", str(tmp_path / "run")]
+    args = [*TINY_RUN_ARGS, *steps, "--ckpt-dir", tmp_path / "ck", "--run-dir", tmp_path / "run"]
     with open(tmp_path / "first.log", "w") as log:
-        proc = _torchrun(args, port=_free_port(), log=log)
+        proc = launch.start(args, nproc=2, cwd=ROOT, stdout=log)
         deadline = time.monotonic() + 300
         while "step       3/8" not in (tmp_path / "first.log").read_text():
             assert proc.poll() is None, (tmp_path / "first.log").read_text()
@@ -88,31 +62,26 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
     stopped_at = int((tmp_path / "ck" / "latest").read_text().strip().split("_")[1])
     assert 3 <= stopped_at < 8
 
-    resumed = tmp_path / "resumed.json"
-    proc = _torchrun(args, port=_free_port(), env_extra={"AOE_SUMMARY": str(resumed)})
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    assert f"resumed from {tmp_path / 'ck'}" in out
-    summary = json.loads(resumed.read_text())
+    resumed = launch.run(args, nproc=2, cwd=ROOT, timeout=600,
+                         summary=tmp_path / "resumed.json")
+    assert resumed.returncode == 0, resumed.output
+    assert f"resumed from {tmp_path / 'ck'}" in resumed.output
+    summary = resumed.summary()
     assert summary["start"] == stopped_at
-    after = {int(k): v for k, v in summary["losses"].items()}
+    after = summary["losses"]
     assert sorted(after) == list(range(stopped_at + 1, 9))
     for step, loss in after.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-6), step
 
-    # The weights saved at EP=2 load at EP=1: the validation loss is the same.
-    full_summary = json.loads(full.read_text())
-    at_ep1 = tmp_path / "ep1.json"
-    ep1_args = _args(expert_parallel_size=1, train_steps=1, eval_interval=1, lr=1e-12,
-                     min_lr=1e-12, load_weights=tmp_path / "ck_full" / "step_00000008",
-                     run_dir=tmp_path / "run_ep1")
-    proc = _torchrun(ep1_args,
-                     port=_free_port(), env_extra={"AOE_SUMMARY": str(at_ep1)})
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out
-    assert "initialised the model from" in out
-    ep1_valid = json.loads(at_ep1.read_text())["valid_losses"]["1"]
-    assert ep1_valid == pytest.approx(full_summary["valid_losses"]["8"], rel=1e-5)
+    # The weights saved at EP=2 load at EP=1 (still two processes): the validation loss is the same.
+    ep1_args = tiny_run_args(expert_parallel_size=1, train_steps=1, eval_interval=1, lr=1e-12,
+                             min_lr=1e-12, load_weights=tmp_path / "ck_full" / "step_00000008",
+                             run_dir=tmp_path / "run_ep1")
+    at_ep1 = launch.run(ep1_args, nproc=2, cwd=ROOT, timeout=600, summary=tmp_path / "ep1.json")
+    assert at_ep1.returncode == 0, at_ep1.output
+    assert "initialised the model from" in at_ep1.output
+    ep1_valid = at_ep1.summary()["valid_losses"][1]
+    assert ep1_valid == pytest.approx(full_summary["valid_losses"][8], rel=1e-5)
 
     # TensorBoard and the run record.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -168,6 +137,8 @@ def _crash_during_save(rank, world_size, ckpt_dir):
         torch.testing.assert_close(p, saved[n], rtol=0, atol=0, msg=n)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
     run_distributed(_crash_during_save, 2, tmp_path / "ck")
 
@@ -208,12 +179,13 @@ def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypa
 
 
 def test_model_overrides_reach_the_model():
-    from aoe_megatron.train.config import parse_train_args
+    from aoe_megatron.train.run import parse_run
 
-    cfg = parse_train_args(["--preset", "aoe_732m", "--train-steps", "1", "--set", "num_layers=3",
-                            "--set", "aoe.d_low=128", "--arch", "moe"])
-    assert (cfg.model.num_layers, cfg.model.aoe.d_low, cfg.model.arch) == (3, 128, "moe")
-    assert cfg.model.hidden_size == 768 and cfg.global_batch_size == 2048  # the preset's recipe
+    run = parse_run(["--preset", "aoe_732m", "--train-steps", "1", "--set", "num_layers=3",
+                     "--set", "aoe.d_low=128", "--arch", "moe", "--mock-data"], world_size=1)
+    cfg, model = run.cfg, run.model
+    assert (model.num_layers, model.aoe.d_low, model.arch) == (3, 128, "moe")
+    assert model.hidden_size == 768 and cfg.global_batch_size == 2048  # the preset's recipe
     assert cfg.lr == 2e-4 and cfg.warmup_steps == 4800 and cfg.min_lr == 1.28e-5
     assert cfg.train_steps == 1 and cfg.train_tokens is None  # the CLI length replaces the preset's
 
@@ -262,17 +234,16 @@ def test_selection_statistics_for_both_architectures(megatron_world, arch):
         assert len(s["mean_norm"]) == cfg.num_experts
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_bare_single_process_launch_trains_on_mock_data_and_says_so(tmp_path):
     """``python -m aoe_megatron.train`` without a launcher runs as world size 1; --mock-data is
     announced and recorded; megatron-core's per-layer "Unknown MLP type" line and the TE/apex
     import warnings are replaced by one line."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     run_dir = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-m", "aoe_megatron.train", "--preset", "tiny",
-                          "--train-steps", "2", "--mock-data", "--run-dir", str(run_dir)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    log = out.stdout + out.stderr
+    out = launch.run(["--preset", "tiny", "--train-steps", "2", "--mock-data",
+                      "--run-dir", run_dir], nproc=1, cwd=ROOT, timeout=600)
+    log = out.output
     assert out.returncode == 0, log[-3000:]
     assert "step       2/2  loss" in log
     assert "WARNING: --mock-data: training on random tokens" in log

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -35,20 +33,17 @@ PEAK = re.compile(r"host memory peak \+([\d.]+) GiB")
 
 
 def _run(args, ckpt: Path, run_dir: Path, steps: int) -> str:
-    from aoe_megatron.runtime.distributed import free_port
+    from aoe_megatron.runtime import launch
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.world),
-           "--master_port", str(free_port()), "-m", "aoe_megatron.train", "--preset", "tiny",
-           *SHAPES["quick" if args.quick else "large"], "--mock-data", "--global-batch-size",
-           str(2 * args.world), "--micro-batch-size", "1", "--train-steps", str(steps),
-           "--save-interval", "1", "--eval-interval", "0", "--warmup-steps", "1",
-           "--expert-parallel-size", str(args.ep), "--zero-stage", str(args.zero),
-           "--ckpt-dir", str(ckpt), "--run-dir", str(run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-    if proc.returncode:
-        raise SystemExit(f"the training run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc.stdout
+    done = launch.run(["--preset", "tiny", *SHAPES["quick" if args.quick else "large"],
+                       "--mock-data", "--global-batch-size", 2 * args.world, "--micro-batch-size",
+                       1, "--train-steps", steps, "--save-interval", 1, "--eval-interval", 0,
+                       "--warmup-steps", 1, "--expert-parallel-size", args.ep, "--zero-stage",
+                       args.zero, "--ckpt-dir", ckpt, "--run-dir", run_dir],
+                      nproc=args.world, threads=1, cwd=REPO, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"the training run failed:\n{done.output[-6000:]}")
+    return done.output
 
 
 def main(argv=None) -> int:

@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from aoe_megatron.runtime import launch
+
 #: |resumed - uninterrupted| per step: bf16 GPU kernels may reduce in another order (atomics)
 RESUME_TOLERANCE = {"cuda": 2e-2, "cpu": 1e-5}
 
@@ -33,9 +35,8 @@ def train_resume(check) -> dict:
     """12 steps saving at 6 and 12; then a copy of step 6 alone resumed to step 12. In a scratch
     folder: the results folder holds results only (the device tool brings back 8 files)."""
     work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-"))
-    common = [sys.executable, "-m", "aoe_megatron.train", "--preset", "tiny", "--mock-data",
-              "--train-steps", "12", "--save-interval", "6", "--eval-interval", "6",
-              "--log-interval", "1"]
+    common = launch.command(["--preset", "tiny", "--mock-data", "--train-steps", "12",
+                             "--save-interval", "6", "--eval-interval", "6", "--log-interval", "1"])
     env = {"OMP_NUM_THREADS": "2"}
     t0 = time.perf_counter()
     check.run([*common, "--ckpt-dir", work / "ckpt", "--run-dir", work / "run"], timeout=300,
@@ -73,8 +74,8 @@ def bf16_accumulation(check) -> dict:
     work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-accum-"))
     losses = {}
     for dtype in ("fp32", "bf16"):
-        check.run([sys.executable, "-m", "aoe_megatron.train", *ACCUMULATION, "--train-steps",
-                   str(steps), "--grad-accum-dtype", dtype, "--run-dir", work / dtype],
+        check.run(launch.command([*ACCUMULATION, "--train-steps", steps, "--grad-accum-dtype",
+                                  dtype, "--run-dir", work / dtype]),
                   timeout=240, env={"OMP_NUM_THREADS": "2"})
         losses[dtype] = _losses(work / dtype)
     diffs = [losses["bf16"][s] - losses["fp32"][s] for s in sorted(losses["fp32"])]

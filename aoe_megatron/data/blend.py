@@ -109,9 +109,16 @@ def _entries(entries, key: str, root) -> tuple[list, list]:
     return prefixes, weights
 
 
-def check_manifests(prefixes, tokenizer_sha256: Optional[str] = None) -> dict:
-    """All prefixes share one tokenizer and BOS/EOD policy (and match ``tokenizer_sha256``)."""
-    manifests = {p: read_manifest(p) for p in prefixes}
+def read_manifests(prefixes) -> dict:
+    """{prefix: its preprocessing manifest}, each file read once."""
+    return {p: read_manifest(p) for p in prefixes}
+
+
+def check_manifests(prefixes, tokenizer_sha256: Optional[str] = None, *,
+                    manifests: Optional[dict] = None) -> dict:
+    """All prefixes share one tokenizer and BOS/EOD policy (and match ``tokenizer_sha256``);
+    returns the first manifest. ``manifests``: those already read (``read_manifests``)."""
+    manifests = read_manifests(prefixes) if manifests is None else manifests
     first_prefix, first = next(iter(manifests.items()))
     for prefix, m in manifests.items():
         for field in ("tokenizer", "policy"):
@@ -146,14 +153,15 @@ class MegatronTokenizerView:
                                    "data": data_digest}
 
 
-def data_digest(prefixes) -> str:
+def data_digest(prefixes, manifests: Optional[dict] = None) -> str:
     """A digest of what the datasets hold, from their manifests and file sizes (cheap)."""
     import hashlib
     import json
 
+    manifests = read_manifests(prefixes) if manifests is None else manifests
     parts = []
     for prefix in prefixes:
-        m = read_manifest(prefix)
+        m = manifests[prefix]
         sizes = [os.path.getsize(f"{prefix}{ext}") for ext in (".bin", ".idx")
                  if os.path.exists(f"{prefix}{ext}")]
         parts.append([m.get("documents"), m.get("tokens"),
@@ -162,9 +170,11 @@ def data_digest(prefixes) -> str:
 
 
 def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
-                   tokenizer_sha256: Optional[str] = None, cache_dir: Optional[str] = None):
+                   tokenizer_sha256: Optional[str] = None, cache_dir: Optional[str] = None,
+                   manifests: Optional[dict] = None):
     """(train, valid, test) GPTDatasets over the blend; ``num_samples`` = (train, valid, test).
 
+    ``manifests``: the datasets' manifests when already read (a resolved run's).
     A split with 0 samples comes back as None. With ``valid_blend``, ``blend`` alone feeds the
     training set and ``valid_blend`` alone the validation set (megatron-core's
     ``blend_per_split``); the test set is None.
@@ -175,7 +185,8 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     cfg = data_config if isinstance(data_config, DataConfig) else DataConfig.load(data_config)
-    manifest = check_manifests(cfg.prefixes, tokenizer_sha256)
+    manifests = read_manifests(cfg.prefixes) if manifests is None else manifests
+    manifest = check_manifests(cfg.prefixes, tokenizer_sha256, manifests=manifests)
     if not manifest["policy"]["append_eod"]:
         raise ValueError("training needs documents separated by EOD: preprocess with --append-eod")
     if cfg.valid_blend is None:
@@ -191,7 +202,7 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
         random_seed=seed,
         sequence_length=seq_length,
         **blends,
-        tokenizer=MegatronTokenizerView(manifest, data_digest(cfg.prefixes)),
+        tokenizer=MegatronTokenizerView(manifest, data_digest(cfg.prefixes, manifests)),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,

@@ -146,7 +146,12 @@ def preset_dict(name_or_path: str, _seen=()) -> dict:
 
 def load_preset(name_or_path: str, **overrides) -> ModelConfig:
     """A preset by name ("tiny", "aoe_732m", "moe_4b", ...) or YAML path, with optional overrides."""
-    cfg = ModelConfig.from_dict(preset_dict(name_or_path).get("model", {}))
+    return model_of_preset(preset_dict(name_or_path), **overrides)
+
+
+def model_of_preset(preset: dict, **overrides) -> ModelConfig:
+    """The model of a preset already read (``preset_dict``), with optional overrides."""
+    cfg = ModelConfig.from_dict(preset.get("model", {}))
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 

@@ -63,7 +63,8 @@ def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (arm, seeds) in enumerate(train_records.items()):
         for ax, key in zip(axes, ("ent_load", "ent_conf")):
-            series = [smooth({k: layer_mean(r, key) for k, r in s.items()}, 10) for s in seeds]
+            series = [smooth({k: layer_mean(r, key) for k, r in s.items() if r.get("layers")}, 10)
+                      for s in seeds]  # statistics are gathered on logging steps only
             if series and series[0]:
                 _draw_band(ax, band(series), label=labels[arm], color=colors[i % len(colors)])
     titles = ("Ent_load: entropy of the expert load (higher = more balanced)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from aoe_megatron.train.config import TrainConfig
+from aoe_megatron.train.run import Run
 
 
 def random_batch(index: int, micro: int, seq_length: int, vocab: int):
@@ -16,19 +16,19 @@ def random_batch(index: int, micro: int, seq_length: int, vocab: int):
 class Batches:
     """Micro-batches by global sample index, so a resumed run sees exactly the same data."""
 
-    def __init__(self, cfg: TrainConfig, model_cfg, dp_rank: int, dp_size: int):
-        self.cfg, self.model_cfg = cfg, model_cfg
+    def __init__(self, run: Run, dp_rank: int, dp_size: int):
+        self.cfg, self.model_cfg = cfg, model_cfg = run.cfg, run.model
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.train = self.valid = None
-        if cfg.data is not None:
+        if run.data is not None:
             from aoe_megatron.data.blend import build_datasets
 
-            steps = cfg.steps()
-            evals = (steps // cfg.eval_interval + 1) if cfg.eval_interval else 1
+            evals = (run.steps // cfg.eval_interval + 1) if cfg.eval_interval else 1
             per_eval = cfg.eval_iters * cfg.micro_batch_size * dp_size
             self.train, self.valid, _ = build_datasets(
-                cfg.data, seq_length=model_cfg.seq_length, seed=cfg.seed,
-                num_samples=(steps * cfg.global_batch_size, per_eval * evals, 0),
+                run.data, seq_length=model_cfg.seq_length, seed=cfg.seed,
+                num_samples=(run.steps * cfg.global_batch_size, per_eval * evals, 0),
+                manifests=run.manifests,
             )
 
     def _take(self, dataset, start: int, count: int, salt: int) -> torch.Tensor:

@@ -1,14 +1,14 @@
-"""Training settings: a preset's ``train:`` section plus command-line overrides, validated before
-any process group starts."""
+"""Training settings: a preset's ``train:`` section plus command-line overrides (``train/run.py``
+resolves and validates them, once, before any process group starts)."""
 
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Optional
 
-from aoe_megatron.models.gpt import ModelConfig, load_preset, preset_dict
+from aoe_megatron.models.gpt import preset_dict
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,13 +83,6 @@ class TrainConfig:
     """Resume even if the data differs from the checkpoint's record (tokenizer, token counts,
     files, blend weights): a warning shows both, and later checkpoints record the new data."""
 
-    @property
-    def model(self) -> ModelConfig:
-        overrides = parse_overrides(self.model_overrides)
-        if self.arch:
-            overrides["arch"] = self.arch
-        return load_preset(self.preset, **overrides)
-
     def bf16(self) -> bool:
         """Whether the run computes in bf16 (``precision``, auto: where CUDA is)."""
         if self.precision == "auto":
@@ -98,95 +91,21 @@ class TrainConfig:
             return torch.cuda.is_available()
         return self.precision == "bf16"
 
-    def steps(self) -> int:
+    def steps(self, seq_length: int) -> int:
+        """Optimizer steps of the run (``train_tokens`` counts ``seq_length``-token samples)."""
         if self.train_steps is not None:
             return self.train_steps
-        per_step = self.global_batch_size * self.model.seq_length
-        return -(-self.train_tokens // per_step)
+        return -(-self.train_tokens // (self.global_batch_size * seq_length))
 
     def grad_accum(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
 
-    def validate(self, world_size: int) -> None:
-        """Raise ValueError naming the problem; touches no process group."""
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-            if getattr(self, name) != 1:
-                raise ValueError(
-                    f"{name.replace('_', '-')}={getattr(self, name)}: tensor and pipeline "
-                    f"parallelism are not supported yet; scale with data and expert parallelism"
-                )
-        model = self.model  # unknown preset keys and invalid model settings raise here
-        if model.arch == "aoe":
-            model.aoe_config(self.expert_parallel_size)  # EP must divide the experts
-        elif model.num_experts % self.expert_parallel_size:
-            raise ValueError(
-                f"num_experts={model.num_experts} is not divisible by expert parallel size "
-                f"{self.expert_parallel_size}"
-            )
-        if world_size % self.expert_parallel_size:
-            raise ValueError(
-                f"expert parallel size {self.expert_parallel_size} does not divide the "
-                f"{world_size} processes"
-            )
-        from aoe_megatron.train.engine import check_zero_and_ep
-
-        check_zero_and_ep(self.zero_stage, self.expert_parallel_size)
-        if self.zero_stage not in (1, 2, 3):
-            raise ValueError(f"--zero-stage must be 1, 2 or 3, got {self.zero_stage}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise ValueError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.grad_accum_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got "
-                             f"{self.grad_accum_dtype!r}")
-        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
-                     "expert_parallel_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if (self.train_steps is None) == (self.train_tokens is None):
-            raise ValueError("give exactly one of --train-steps and --train-tokens")
-        if self.steps() <= 0:
-            raise ValueError("the run has no training step")
-        if self.global_batch_size % (self.micro_batch_size * world_size):
-            raise ValueError(
-                f"global batch {self.global_batch_size} is not a multiple of micro batch "
-                f"{self.micro_batch_size} x {world_size} data-parallel processes"
-            )
-        if self.keep_last < 0:
-            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got "
-                             f"{self.keep_last}")
-        if self.save_interval < 0 or self.eval_interval < 0:
-            raise ValueError("intervals must be >= 0")
-        if self.skip_nonfinite < 0:
-            raise ValueError(f"--skip-nonfinite must be >= 0, got {self.skip_nonfinite}")
-        from aoe_megatron.train.faults import parse_steps
-
-        beyond = [s for s in parse_steps(self.inject_nonfinite) if s > self.steps()]
-        if beyond:
-            raise ValueError(f"--inject-nonfinite step {beyond[0]} is beyond the run's "
-                             f"{self.steps()} steps")
-        if not self.distributed_timeout_minutes > 0:
-            raise ValueError(f"--distributed-timeout-minutes must be positive, got "
-                             f"{self.distributed_timeout_minutes}")
-        if self.load_weights is not None and not os.path.isdir(os.path.join(self.load_weights, "model")):
-            raise ValueError(f"--load-weights {self.load_weights} is not a checkpoint directory "
-                             f"(it has no model/ folder)")
-        if self.data is None and not self.mock_data:
-            raise ValueError("no --data: give a data config (run/data-*.yaml), or --mock-data to "
-                             "train on random tokens (smoke and debugging runs only)")
-        if self.data is not None and self.mock_data:
-            raise ValueError("--data and --mock-data exclude each other")
-        if self.data is not None:
-            from aoe_megatron.data.blend import DataConfig, check_manifests
-            from aoe_megatron.data.tokenizer import sha256_of
-
-            prefixes = DataConfig.load(self.data).prefixes
-            sha = sha256_of(self.tokenizer_model) if self.tokenizer_model else None
-            manifest = check_manifests(prefixes, sha)
-            if manifest["tokenizer"]["vocab_size"] > model.vocab_size:
-                raise ValueError(
-                    f"the data's tokenizer has {manifest['tokenizer']['vocab_size']} ids but the "
-                    f"model's vocabulary is {model.vocab_size}"
-                )
+    def model_overrides_dict(self) -> dict:
+        """``--set`` and ``--arch`` as ``with_overrides`` keywords."""
+        overrides = parse_overrides(self.model_overrides)
+        if self.arch:
+            overrides["arch"] = self.arch
+        return overrides
 
 
 def parse_overrides(items) -> dict:
@@ -230,9 +149,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_train_args(argv=None) -> TrainConfig:
     """CLI flags over the preset's ``train:`` section over the dataclass defaults."""
+    return parse_with_preset(argv)[0]
+
+
+def parse_with_preset(argv=None) -> tuple:
+    """(TrainConfig, the preset as read): the preset file is read here, once per launch."""
     args = {k: v for k, v in vars(_parser().parse_args(argv)).items() if v is not None}
     args.pop("local_rank", None)
-    train_section = preset_dict(args["preset"]).get("train", {}) or {}
+    preset = preset_dict(args["preset"])
+    train_section = preset.get("train", {}) or {}
     known = {f.name for f in fields(TrainConfig)}
     unknown = set(train_section) - known
     if unknown:
@@ -242,7 +167,7 @@ def parse_train_args(argv=None) -> TrainConfig:
     # The run's length is one setting: a length on the command line replaces the preset's.
     if {"train_steps", "train_tokens"} & set(args):
         train_section = {k: v for k, v in train_section.items() if k not in ("train_steps", "train_tokens")}
-    return TrainConfig(**{**train_section, **args})
+    return TrainConfig(**{**train_section, **args}), preset
 
 
 def adopt_slurm_env() -> None:
@@ -274,7 +199,3 @@ def world_size_from_env() -> int:
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         return int(os.environ.get("SLURM_NTASKS", "1"))
     return 1
-
-
-def resolved(cfg: TrainConfig) -> dict:
-    return {"train": asdict(cfg), "model": asdict(cfg.model)}

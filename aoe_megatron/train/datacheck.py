@@ -54,10 +54,11 @@ def sample_sha256(path: str, sample: int = SAMPLE_BYTES) -> str:
     return digest.hexdigest()
 
 
-def dataset_fingerprint(prefix: str) -> dict:
+def dataset_fingerprint(prefix: str, manifest: Optional[dict] = None) -> dict:
+    """``manifest``: the dataset's preprocessing manifest when already read."""
     from aoe_megatron.data.preprocess import read_manifest
 
-    manifest = read_manifest(prefix)
+    manifest = read_manifest(prefix) if manifest is None else manifest
     sources = hashlib.sha256("\n".join(s["sha256"] for s in manifest.get("sources", [])).encode())
     return {
         "tokenizer_sha256": manifest["tokenizer"]["sha256"],
@@ -71,30 +72,34 @@ def dataset_fingerprint(prefix: str) -> dict:
     }
 
 
-def fingerprint(data: Optional[str]) -> Fingerprint:
-    """The fingerprint of the data config ``data`` (a path or dict); None: ``"mock"``."""
+def fingerprint(data, manifests: Optional[dict] = None) -> Fingerprint:
+    """The fingerprint of the data config ``data`` (a ``DataConfig``, path or dict); None:
+    ``"mock"``. ``manifests``: {prefix: manifest} when already read (a resolved run's)."""
     if data is None:
         return MOCK
     from aoe_megatron.data.blend import DataConfig
 
-    cfg = DataConfig.load(data)
+    cfg = data if isinstance(data, DataConfig) else DataConfig.load(data)
+    manifests = manifests or {}
     weights = [*cfg.weights, *cfg.valid_weights]
     roles = ["blend"] * len(cfg.weights) + ["valid_blend"] * len(cfg.valid_weights)
     return {"split": cfg.split, "datasets": [
-        {"role": role, "prefix": prefix, "weight": weight, **dataset_fingerprint(prefix)}
+        {"role": role, "prefix": prefix, "weight": weight,
+         **dataset_fingerprint(prefix, manifests.get(prefix))}
         for role, prefix, weight in zip(roles, cfg.prefixes, weights)]}
 
 
-def agreed_fingerprint(data: Optional[str]) -> Fingerprint:
+def agreed_fingerprint(data, manifests: Optional[dict] = None) -> Fingerprint:
     """Rank 0's fingerprint on every rank (one reader; every rank then judges alike)."""
     import torch.distributed as dist
 
     box: list = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = fingerprint(data)
+            box[0] = fingerprint(data, manifests)
         except (OSError, ValueError, KeyError) as err:  # every rank must learn of it, or hang
-            box[0] = DataChanged(f"cannot fingerprint the data of {data}: {err}")
+            where = ", ".join(getattr(data, "prefixes", ())) or data
+            box[0] = DataChanged(f"cannot fingerprint the data of {where}: {err}")
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], BaseException):
         raise box[0]

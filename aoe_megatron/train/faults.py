@@ -103,14 +103,17 @@ class NonFinitePolicy:
         """``loss`` made NaN on rank 0 at an injected step (its gradients become NaN too)."""
         return loss * float("nan") if rank == 0 and step in self.inject_steps else loss
 
-    def check(self, step: int, *, loss: float, grad_norm, applied: bool) -> Optional[Verdict]:
-        """None for a finite step; else the verdict (every rank reaches the same one: the loss is
-        all-reduced and the gradient norm and ``applied`` are global)."""
+    def check(self, step: int, *, loss: float, grad_norm, applied: bool,
+              nonfinite_ranks: int = 0) -> Optional[Verdict]:
+        """None for a finite step; else the verdict (every rank reaches the same one: the loss,
+        and ``nonfinite_ranks``, the count of ranks whose own loss was not finite, are agreed by
+        one all-reduce, and the gradient norm and ``applied`` are global)."""
         grad_norm = None if grad_norm is None else float(grad_norm)
-        if is_finite(loss) and is_finite(grad_norm):
+        if not nonfinite_ranks and is_finite(loss) and is_finite(grad_norm):
             return None
         what = f"step {step}: non-finite loss {loss:.4g} / grad norm " + (
             "n/a" if grad_norm is None else f"{grad_norm:.4g}")
+        ranks = f"; the loss was not finite on {nonfinite_ranks} rank(s)" if nonfinite_ranks else ""
         flag = f"--skip-nonfinite {self.limit}"
         if applied:
             reason = ("the optimizer applied this step's update, so the weights may be damaged "
@@ -119,14 +122,14 @@ class NonFinitePolicy:
             self.skipped_steps.append(step)
             return Verdict(step, loss, grad_norm, False, len(self.skipped_steps), self.limit,
                            f"{what}; update skipped ({len(self.skipped_steps)} of at most "
-                           f"{self.limit}, {flag})")
+                           f"{self.limit}, {flag}){ranks}")
         elif self.limit == 0:
             reason = flag
         else:
             reason = (f"step(s) {', '.join(map(str, self.skipped_steps))} were skipped already, "
                       f"the most {flag} allows")
         return Verdict(step, loss, grad_norm, True, len(self.skipped_steps), self.limit,
-                       f"{what}; the run stops ({reason}). {self._last_good()}")
+                       f"{what}; the run stops ({reason}){ranks}. {self._last_good()}")
 
     def _last_good(self) -> str:
         if not self.ckpt_dir:

@@ -19,16 +19,14 @@ from pathlib import Path
 import torch
 
 from aoe_megatron.runtime.distributed import reduce_across_ranks
-from aoe_megatron.train.config import (
-    TrainConfig,
-    adopt_slurm_env,
-    parse_train_args,
-    resolved,
-    world_size_from_env,
-)
+from aoe_megatron.runtime.launch import SUMMARY_VAR
+from aoe_megatron.train.config import TrainConfig, adopt_slurm_env
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record
 from aoe_megatron.train.host_memory import gib
+from aoe_megatron.train.run import Run, parse_run, resolve
+from aoe_megatron.train.setup import Parts, set_up
+from aoe_megatron.train.step import StepResult, train_step
 
 EXIT_OK = 0
 """Finished, or stopped by a signal after saving: the run directory tells them apart
@@ -38,7 +36,8 @@ EXIT_HALTED = 3
 
 
 class _StopFlag:
-    """Set by SIGTERM / SIGUSR1; the ranks agree on it at step boundaries."""
+    """Set by SIGTERM / SIGUSR1; the ranks agree on it in each step's one collective
+    (``step.agree_on_step``)."""
 
     def __init__(self):
         self.raised = False
@@ -48,207 +47,141 @@ class _StopFlag:
     def _handle(self, signum, frame):
         self.raised = True
 
-    def agreed(self) -> bool:
-        return bool(reduce_across_ranks(torch.tensor(float(self.raised)), op="max").item())
 
-
-def _record_run(cfg: TrainConfig, run_dir: Path, world_size: int) -> None:
+def _record_run(run: Run, run_dir: Path) -> None:
     import deepspeed
     import megatron.core
 
     import aoe_megatron
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(resolved(cfg), indent=2, default=str) + "\n")
+    (run_dir / "config.json").write_text(json.dumps(run.record(), indent=2, default=str) + "\n")
     record = {
         "command": [sys.executable, *sys.argv],
-        "world_size": world_size,
+        "world_size": run.world_size,
         "versions": {"aoe_megatron": aoe_megatron.__version__, "torch": torch.__version__,
                      "megatron_core": megatron.core.__version__, "deepspeed": deepspeed.__version__,
                      "python": platform.python_version()},
         "host": platform.node(),
     }
-    if cfg.mock_data:
+    if run.cfg.mock_data:
         record["data"] = "mock: random tokens (--mock-data), not a corpus"
-    if cfg.data is not None:
-        from aoe_megatron.data.blend import DataConfig, check_manifests
-
-        manifest = check_manifests(DataConfig.load(cfg.data).prefixes)
-        record["data_tokenizer_sha256"] = manifest["tokenizer"]["sha256"]
-        record["data_policy"] = manifest["policy"]
+    if run.manifest is not None:
+        record["data_tokenizer_sha256"] = run.manifest["tokenizer"]["sha256"]
+        record["data_policy"] = run.manifest["policy"]
     (run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Run (or resume) training; every rank calls this. Returns a summary on rank 0."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import (
-        MoEAuxLossAutoScaler,
-        clear_aux_losses_tracker,
-    )
+class EndOfStep:
+    """After each step, on every rank: judge a non-finite step, report, validate, save, and
+    say whether the run stops here."""
 
-    from aoe_megatron.runtime.distributed import bound_collective_waits, init_megatron
-    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
-    from aoe_megatron.train import checkpoint as ckpt
-    from aoe_megatron.train import datacheck
-    from aoe_megatron.train.batches import Batches, lm_loss
-    from aoe_megatron.train.engine import build_engine
-    from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
-    from aoe_megatron.train.metrics import Reporter, attach_stock_router_stats, selection_stats
-    from aoe_megatron.train.schedule import lr_lambda
+    def __init__(self, parts: Parts, reporter, run_dir: Path):
+        self.parts, self.reporter, self.run_dir = parts, reporter, run_dir
+        self.run, self.cfg = parts.run, parts.run.cfg
+        self.losses: dict = {}
+        self.valid_losses: dict = {}
+        self.stopped = False
 
-    world = world_size_from_env()
-    cfg.validate(world)  # before any process group starts
+    def __call__(self, result: StepResult) -> bool:
+        """True: the run ends after this step (finished, or stopped by a signal)."""
+        from aoe_megatron.train.metrics import selection_stats
+
+        parts, cfg, step = self.parts, self.cfg, result.step
+        self.losses[step] = result.loss
+        verdict = parts.nonfinite.check(step, loss=result.loss, grad_norm=result.grad_norm,
+                                        applied=result.applied,
+                                        nonfinite_ranks=result.nonfinite_ranks)
+        if verdict is not None:  # skipped (weights unchanged) or stopped (nothing saved)
+            self.reporter.nonfinite(verdict)
+            verdict.raise_if_stopped()
+        else:
+            stats = selection_stats(parts.model, parts.stock_stats) if result.log else {}
+            self.reporter.step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
+                               stats=stats, aux_loss=result.aux_loss, console=result.log)
+        done = step == self.run.steps
+        if cfg.eval_interval and (step % cfg.eval_interval == 0 or done):
+            self.evaluate(step)
+        if result.stop:
+            self.save(step)
+            self.stopped = True
+            self._say(f"stopped by a signal after step {step}; restart the same command to "
+                      f"resume")
+            return True
+        if done or (cfg.save_interval and step % cfg.save_interval == 0):
+            self.save(step)
+        if done and parts.rank == 0:
+            (self.run_dir / "finished.json").write_text(json.dumps(
+                {"steps": step, "final_loss": self.losses[step],
+                 "final_valid_loss": self.valid_losses.get(step)}) + "\n")
+        return done
+
+    def _say(self, message: str) -> None:
+        if self.parts.rank == 0:
+            print(message, flush=True)
+
+    def evaluate(self, step: int) -> float:
+        from aoe_megatron.train.batches import lm_loss
+
+        parts, cfg = self.parts, self.cfg
+        parts.model.eval()
+        with torch.no_grad():
+            total = sum(lm_loss(parts.engine, parts.batches.valid_batch(i)).detach().float()
+                        for i in range(cfg.eval_iters))
+        parts.model.train()
+        value = reduce_across_ranks(total, op="mean").item() / cfg.eval_iters
+        self.reporter.scalar("valid/loss", value, step)
+        self._say(f"step {step:>7}/{self.run.steps}  validation loss {value:.4f}")
+        self.valid_losses[step] = value
+        return value
+
+    def save(self, step: int) -> None:
+        from aoe_megatron.train import checkpoint as ckpt
+
+        parts, cfg = self.parts, self.cfg
+        if not cfg.ckpt_dir:
+            return
+        stats, began = {}, time.perf_counter()
+        path = ckpt.save_checkpoint(cfg.ckpt_dir, step=step, engine=parts.engine,
+                                    model=parts.model, scheduler=parts.scheduler,
+                                    consumed_samples=step * cfg.global_batch_size,
+                                    layout=parts.layout, config=self.run.record(),
+                                    keep_last=cfg.keep_last,
+                                    extra={"data": parts.data_fingerprint,
+                                           **parts.nonfinite.state()},
+                                    stats=stats)
+        peak = stats.get("host_peak_bytes")
+        self._say(f"saved {path} ({time.perf_counter() - began:.1f} s"
+                  + (f"; host memory peak +{gib(peak)} on the busiest rank" if peak is not None
+                     else "") + ")")
+
+
+def train(run) -> dict:
+    """Run (or resume) training; every rank calls this with the same resolved run
+    (``train.run.Run``; a ``TrainConfig`` is resolved here). Returns a summary on rank 0."""
+    from aoe_megatron.train.metrics import Reporter
+
+    if isinstance(run, TrainConfig):
+        run = resolve(run)
+    cfg = run.cfg
     rank = int(os.environ.get("RANK", "0"))
     if cfg.mock_data and rank == 0:
         print("WARNING: --mock-data: training on random tokens, not a corpus (smoke and debugging "
               "runs only)", flush=True)
     stop = _StopFlag()
-    init_megatron(rank=rank, world_size=world, expert_parallel_size=cfg.expert_parallel_size,
-                  seed=cfg.seed, timeout_minutes=cfg.distributed_timeout_minutes)
-    model_cfg = cfg.model
-    on_gpu = torch.cuda.is_available()
-    bf16 = cfg.bf16()
-    extra = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
-    if cfg.recompute:
-        extra.update(recompute_granularity="selective", recompute_modules=["moe"])
-    tc = transformer_config(model_cfg, expert_parallel_size=cfg.expert_parallel_size, **extra)
-    torch.manual_seed(cfg.seed)
-    model = build_gpt_model(model_cfg, tc)
-    if on_gpu:
-        model = model.cuda()
-    steps = cfg.steps()
-    gas = cfg.grad_accum(world)
-    engine, _, scheduler = build_engine(
-        model, zero_stage=cfg.zero_stage, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-        weight_decay=cfg.weight_decay, micro_batch=cfg.micro_batch_size, grad_accum=gas,
-        ep_size=cfg.expert_parallel_size, num_experts=model_cfg.num_experts, bf16=bf16,
-        grad_accum_dtype=cfg.grad_accum_dtype,
-        clip_grad=cfg.clip_grad,
-        lr_schedule=lr_lambda(peak=cfg.lr, final=cfg.min_lr,
-                              warmup_steps=min(cfg.warmup_steps, steps - 1), total_steps=steps),
-    )
-    bound_collective_waits(cfg.distributed_timeout_minutes)  # DeepSpeed's groups too
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / gas, device=next(model.parameters()).device))
-    layout = {"world_size": world, "expert_parallel_size": cfg.expert_parallel_size,
-              "zero_stage": cfg.zero_stage}
-    data = datacheck.agreed_fingerprint(cfg.data)  # recorded in every checkpoint
-    nonfinite = NonFinitePolicy(limit=cfg.skip_nonfinite, ckpt_dir=cfg.ckpt_dir,
-                                inject=parse_steps(cfg.inject_nonfinite))
-    start = 0
-    state = None
-    if cfg.ckpt_dir:
-        ckpt.start_writer()  # before any stop signal can reach it
-        state = ckpt.resume(cfg.ckpt_dir, engine=engine, model=model, scheduler=scheduler,
-                            layout=layout, config=resolved(cfg), seed=cfg.seed,
-                            log=lambda msg: print(msg, flush=True),
-                            before_load=lambda saved: datacheck.check_resume(
-                                saved.get("data"), data, checkpoint=saved["path"],
-                                allow=cfg.allow_data_change, announce=rank == 0))
-    if state is not None:
-        start = state["step"]
-        if rank == 0:
-            peak = state.get("host_peak_bytes")
-            print(f"resumed from {state['path']} at step {start}"
-                  + (f" (host memory peak +{gib(peak)} on the busiest rank)" if peak is not None
-                     else ""), flush=True)
-            if (before := state["layout"]["world_size"]) != world:
-                print(f"gradient accumulation {cfg.grad_accum(before)} -> {gas} micro-batches per "
-                      f"rank (global batch {cfg.global_batch_size}, sample order unchanged)",
-                      flush=True)
-        nonfinite.restore(state)
-    elif cfg.load_weights:
-        ckpt.load_model_weights(cfg.load_weights, model)
-        engine.optimizer.refresh_fp32_params()  # the optimizer's master weights follow the model
-        if rank == 0:
-            print(f"initialised the model from {cfg.load_weights}", flush=True)
+    parts = set_up(run, rank=rank)
     run_dir = Path(cfg.run_dir)
     if rank == 0:
-        _record_run(cfg, run_dir, world)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    batches = Batches(cfg, model_cfg, dp_rank, dp_size)
-    reporter = Reporter(run_dir, total_steps=steps,
-                        tokens_per_step=cfg.global_batch_size * model_cfg.seq_length,
+        _record_run(run, run_dir)
+    reporter = Reporter(run_dir, total_steps=run.steps,
+                        tokens_per_step=cfg.global_batch_size * run.model.seq_length,
                         enabled=rank == 0)
-    stock_stats = attach_stock_router_stats(model) if model_cfg.arch == "moe" else []
-    losses, valid_losses, stopped = {}, {}, False
-
-    def evaluate(step: int) -> float:
-        model.eval()
-        with torch.no_grad():
-            total = sum(lm_loss(engine, batches.valid_batch(i)).detach().float()
-                        for i in range(cfg.eval_iters))
-        model.train()
-        value = reduce_across_ranks(total, op="mean").item() / cfg.eval_iters
-        reporter.scalar("valid/loss", value, step)
-        if rank == 0:
-            print(f"step {step:>7}/{steps}  validation loss {value:.4f}", flush=True)
-        valid_losses[step] = value
-        return value
-
-    def save(step: int) -> None:
-        if cfg.ckpt_dir:
-            stats, began = {}, time.perf_counter()
-            path = ckpt.save_checkpoint(cfg.ckpt_dir, step=step, engine=engine, model=model,
-                                        scheduler=scheduler,
-                                        consumed_samples=step * cfg.global_batch_size,
-                                        layout=layout, config=resolved(cfg),
-                                        keep_last=cfg.keep_last,
-                                        extra={"data": data, **nonfinite.state()},
-                                        stats=stats)
-            if rank == 0:
-                peak = stats.get("host_peak_bytes")
-                print(f"saved {path} ({time.perf_counter() - began:.1f} s"
-                      + (f"; host memory peak +{gib(peak)} on the busiest rank" if peak is not None
-                         else "") + ")", flush=True)
-
+    end = EndOfStep(parts, reporter, run_dir)
     try:
-        for step in range(start, steps):
-            lr = scheduler.get_last_lr()[0]
-            step_loss = 0.0  # on the model's device: no host sync per micro-batch
-            for micro in range(gas):
-                loss = lm_loss(engine, batches.train_batch(step, micro, gas))
-                loss = nonfinite.inject(step + 1, loss, rank)  # --inject-nonfinite (tests)
-                engine.backward(loss)
-                engine.step()
-                step_loss = step_loss + loss.detach().float() / gas
-            aux = None
-            try:
-                from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-                tracker = get_moe_layer_wise_logging_tracker()
-                if "load_balancing_loss" in tracker:
-                    aux = float(tracker["load_balancing_loss"]["values"].sum()) / gas
-            finally:
-                clear_aux_losses_tracker()
-            losses[step + 1] = reduce_across_ranks(step_loss, op="mean").item()
-            log_now = (step + 1) % cfg.log_interval == 0 or step + 1 == steps
-            grad_norm = engine.get_global_grad_norm()
-            verdict = nonfinite.check(step + 1, loss=losses[step + 1], grad_norm=grad_norm,
-                                      applied=engine.was_step_applied())
-            if verdict is not None:  # skipped (weights unchanged) or stopped (nothing saved)
-                reporter.nonfinite(verdict)
-                verdict.raise_if_stopped()
-            else:
-                reporter.step(step + 1, loss=losses[step + 1], lr=lr, grad_norm=grad_norm,
-                              stats=selection_stats(model, stock_stats),
-                              aux_loss=aux, console=log_now)
-            done = step + 1 == steps
-            if cfg.eval_interval and ((step + 1) % cfg.eval_interval == 0 or done):
-                evaluate(step + 1)
-            if stop.agreed():
-                save(step + 1)
-                stopped = True
-                if rank == 0:
-                    print(f"stopped by a signal after step {step + 1}; restart the same command "
-                          f"to resume", flush=True)
+        for step in range(parts.start, run.steps):
+            log = (step + 1) % cfg.log_interval == 0 or step + 1 == run.steps
+            if end(train_step(parts, step, stop_flag=stop, log=log)):
                 break
-            if done or (cfg.save_interval and (step + 1) % cfg.save_interval == 0):
-                save(step + 1)
-            if done and rank == 0:
-                (run_dir / "finished.json").write_text(json.dumps(
-                    {"steps": steps, "final_loss": losses[steps],
-                     "final_valid_loss": valid_losses.get(steps)}) + "\n")
     finally:
         reporter.close()
     if rank == 0:
@@ -257,8 +190,8 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.ckpt_dir:
             print(f"checkpoints: {Path(cfg.ckpt_dir).resolve()} (restart the same command to resume)",
                   flush=True)
-    return {"losses": losses, "valid_losses": valid_losses, "stopped": stopped, "start": start,
-            "nonfinite_skipped": nonfinite.skipped_steps}
+    return {"losses": end.losses, "valid_losses": end.valid_losses, "stopped": end.stopped,
+            "start": parts.start, "nonfinite_skipped": parts.nonfinite.skipped_steps}
 
 
 def main(argv=None) -> int:
@@ -267,8 +200,7 @@ def main(argv=None) -> int:
     quiet_cpu_fallback_warnings()
     adopt_slurm_env()  # a bare srun: RANK / WORLD_SIZE / LOCAL_RANK from Slurm's variables
     try:
-        cfg = parse_train_args(argv)
-        cfg.validate(world_size_from_env())
+        run = parse_run(argv)  # read and validated once, before any process group starts
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -281,14 +213,14 @@ def main(argv=None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         if rank0:
-            clear_halt_record(cfg.run_dir)
-        summary = train(cfg)
-        if rank0 and os.environ.get("AOE_SUMMARY"):
-            Path(os.environ["AOE_SUMMARY"]).write_text(json.dumps(summary) + "\n")
+            clear_halt_record(run.cfg.run_dir)
+        summary = train(run)
+        if rank0 and os.environ.get(SUMMARY_VAR):  # for launchers (runtime.launch.run)
+            Path(os.environ[SUMMARY_VAR]).write_text(json.dumps(summary) + "\n")
     except TrainingHalted as err:  # non-finite step, changed data, no resumable checkpoint
         if rank0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-            write_halt_record(cfg.run_dir, err)
+            write_halt_record(run.cfg.run_dir, err)
         return EXIT_HALTED
     finally:
         shutdown()

@@ -3,7 +3,8 @@
 
 metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux_loss", "layers":
 {layer: {"ent_load", "ent_conf", "load": [f_i]}}}`` and ``{"kind": "valid", "step", "loss"}``.
-A step with a non-finite loss or gradient norm has ``{"kind": "nonfinite", "step", "action":
+``layers`` is filled on logging steps only (``--log-interval``; its all-reduce is skipped on
+the others) and empty on the rest. A step with a non-finite loss or gradient norm has ``{"kind": "nonfinite", "step", "action":
 "skipped"|"stopped", "loss", "grad_norm", "skipped", "limit"}`` instead of its train line.
 A resumed run appends: a step logged twice (before and after a restart) keeps its last line.
 """
@@ -139,7 +140,8 @@ class Reporter:
             self.t_last, self.steps_since = now, 0
 
     def nonfinite(self, verdict) -> None:
-        """A step with a non-finite loss or gradient norm (``faults.Verdict``), skipped or stopping
+        """``layers`` is filled on logging steps only (``--log-interval``; its all-reduce is skipped on
+the others) and empty on the rest. A step with a non-finite loss or gradient norm (``faults.Verdict``), skipped or stopping
         the run: a console line when skipped (a stop is the run's error message), TensorBoard's
         count of skipped steps, and a metrics.jsonl line in place of the train line (non-finite
         numbers as strings: the file stays strict JSON)."""

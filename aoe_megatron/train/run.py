@@ -1,0 +1,143 @@
+"""A run resolved once: the settings, the model, the data config and its manifests, read and
+validated together before any process group starts; every later stage takes them from here.
+
+``parse_run(argv)`` reads the preset (and its bases) once, the data config once and each
+dataset's manifest once; ``resolve(cfg)`` does the same for settings built in code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from aoe_megatron.models.gpt import ModelConfig, model_of_preset, preset_dict
+from aoe_megatron.train.config import TrainConfig, parse_with_preset, world_size_from_env
+
+
+@dataclass(frozen=True)
+class Run:
+    cfg: TrainConfig
+    model: ModelConfig
+    world_size: int
+    steps: int
+    data: Optional[object] = None
+    """The ``DataConfig`` (None: ``--mock-data``)."""
+    manifests: dict = field(default_factory=dict)
+    """{prefix: preprocessing manifest} of every dataset of ``data``."""
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per rank and step at this world size."""
+        return self.cfg.grad_accum(self.world_size)
+
+    @property
+    def manifest(self) -> Optional[dict]:
+        """The first dataset's manifest (they share the tokenizer and policy), or None."""
+        return next(iter(self.manifests.values()), None)
+
+    def record(self) -> dict:
+        """The resolved settings: config.json, and every checkpoint's record of them."""
+        return {"train": asdict(self.cfg), "model": asdict(self.model)}
+
+
+def parse_run(argv=None, world_size: Optional[int] = None) -> Run:
+    """The command line as one resolved run (raises ValueError / FileNotFoundError)."""
+    cfg, preset = parse_with_preset(argv)
+    return resolve(cfg, world_size, preset=preset)
+
+
+def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
+            preset: Optional[dict] = None) -> Run:
+    """Validate ``cfg`` for ``world_size`` processes (default: the launcher's) and read what it
+    names; raises ValueError naming the problem. Touches no process group."""
+    world = world_size_from_env() if world_size is None else world_size
+    _check_settings(cfg)
+    model = model_of_preset(preset_dict(cfg.preset) if preset is None else preset,
+                            **cfg.model_overrides_dict())  # unknown keys, bad settings raise
+    _check_layout(cfg, model, world)
+    steps = cfg.steps(model.seq_length)
+    if steps <= 0:
+        raise ValueError("the run has no training step")
+    from aoe_megatron.train.faults import parse_steps
+
+    beyond = [s for s in parse_steps(cfg.inject_nonfinite) if s > steps]
+    if beyond:
+        raise ValueError(f"--inject-nonfinite step {beyond[0]} is beyond the run's {steps} steps")
+    if cfg.data is None and not cfg.mock_data:
+        raise ValueError("no --data: give a data config (run/data-*.yaml), or --mock-data to "
+                         "train on random tokens (smoke and debugging runs only)")
+    if cfg.data is not None and cfg.mock_data:
+        raise ValueError("--data and --mock-data exclude each other")
+    data, manifests = _read_data(cfg, model)
+    return Run(cfg=cfg, model=model, world_size=world, steps=steps, data=data,
+               manifests=manifests)
+
+
+def _check_settings(cfg: TrainConfig) -> None:
+    """What the settings alone decide (no file is read)."""
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(cfg, name) != 1:
+            raise ValueError(
+                f"{name.replace('_', '-')}={getattr(cfg, name)}: tensor and pipeline parallelism "
+                f"are not supported yet; scale with data and expert parallelism")
+    if cfg.zero_stage not in (1, 2, 3):
+        raise ValueError(f"--zero-stage must be 1, 2 or 3, got {cfg.zero_stage}")
+    if cfg.precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--precision must be auto, bf16 or fp32, got {cfg.precision!r}")
+    if cfg.grad_accum_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got {cfg.grad_accum_dtype!r}")
+    for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
+                 "expert_parallel_size"):
+        if getattr(cfg, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
+    if (cfg.train_steps is None) == (cfg.train_tokens is None):
+        raise ValueError("give exactly one of --train-steps and --train-tokens")
+    if cfg.keep_last < 0:
+        raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got "
+                         f"{cfg.keep_last}")
+    if cfg.save_interval < 0 or cfg.eval_interval < 0:
+        raise ValueError("intervals must be >= 0")
+    if cfg.skip_nonfinite < 0:
+        raise ValueError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
+    if not cfg.distributed_timeout_minutes > 0:
+        raise ValueError(f"--distributed-timeout-minutes must be positive, got "
+                         f"{cfg.distributed_timeout_minutes}")
+    if cfg.load_weights is not None and not os.path.isdir(os.path.join(cfg.load_weights, "model")):
+        raise ValueError(f"--load-weights {cfg.load_weights} is not a checkpoint directory "
+                         f"(it has no model/ folder)")
+
+
+def _check_layout(cfg: TrainConfig, model: ModelConfig, world: int) -> None:
+    """Expert parallelism, ZeRO and the batch against the model and the world size."""
+    ep = cfg.expert_parallel_size
+    if model.arch == "aoe":
+        model.aoe_config(ep)  # EP must divide the experts
+    elif model.num_experts % ep:
+        raise ValueError(f"num_experts={model.num_experts} is not divisible by expert parallel "
+                         f"size {ep}")
+    if world % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the {world} processes")
+    from aoe_megatron.train.engine import check_zero_and_ep
+
+    check_zero_and_ep(cfg.zero_stage, ep)
+    if cfg.global_batch_size % (cfg.micro_batch_size * world):
+        raise ValueError(f"global batch {cfg.global_batch_size} is not a multiple of micro batch "
+                         f"{cfg.micro_batch_size} x {world} data-parallel processes")
+
+
+def _read_data(cfg: TrainConfig, model: ModelConfig) -> tuple:
+    """(DataConfig, {prefix: manifest}), each file read once; (None, {}) for mock data."""
+    if cfg.data is None:
+        return None, {}
+    from aoe_megatron.data.blend import DataConfig, check_manifests, read_manifests
+    from aoe_megatron.data.tokenizer import sha256_of
+
+    data = DataConfig.load(cfg.data)
+    manifests = read_manifests(data.prefixes)
+    sha = sha256_of(cfg.tokenizer_model) if cfg.tokenizer_model else None
+    first = check_manifests(data.prefixes, sha, manifests=manifests)
+    if first["tokenizer"]["vocab_size"] > model.vocab_size:
+        raise ValueError(f"the data's tokenizer has {first['tokenizer']['vocab_size']} ids but "
+                         f"the model's vocabulary is {model.vocab_size}")
+    return data, manifests
