@@ -77,3 +77,23 @@ def trained_checkpoint(corpus, tmp_path_factory):
         return trained[arch]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_reference_run(tmp_path_factory):
+    """The tiny run (``tests.helpers.TINY_RUN``, world 2 / EP 2, --mock-data) for 8 steps with a
+    checkpoint every 2, run once per session: the uninterrupted run that the resume, kill and
+    integrity tests compare against. {"args", "losses", "summary", "ckpt", "run", "output"}. Read it, do not
+    write into it: copy ``ckpt`` first (``shutil.copytree``)."""
+    from aoe_megatron.runtime import launch
+    from tests.helpers import TINY_RUN_ARGS
+
+    tmp = tmp_path_factory.mktemp("tiny_reference")
+    args = [*TINY_RUN_ARGS, "--train-steps", "8", "--save-interval", "2"]
+    run = launch.run([*args, "--ckpt-dir", tmp / "ck", "--run-dir", tmp / "run"], nproc=2,
+                     cwd=ROOT, timeout=600, summary=tmp / "summary.json")
+    assert run.returncode == 0, run.output[-6000:]
+    summary = run.summary()
+    assert sorted(summary["losses"]) == list(range(1, 9)), summary["losses"]
+    return {"args": args, "losses": summary["losses"], "summary": summary, "ckpt": tmp / "ck",
+            "run": tmp / "run", "output": run.output}

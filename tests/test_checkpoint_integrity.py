@@ -4,6 +4,7 @@ fallback to the newest checkpoint that verifies, and --keep-last retention."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -74,29 +75,17 @@ def test_retention_keeps_the_newest_latest_and_last_verified(tmp_path):
                                                             "step_00000006"]
 
 
-SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size", "4",
-            "--micro-batch-size", "1", "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval",
-            "0", "--mock-data", "--train-steps", "8", "--save-interval", "2",
-            "--expert-parallel-size", "2", "--zero-stage", "1"]
-
-
-def _train(tmp: Path, name: str, ckpt_dir: Path, *extra) -> launch.Finished:
-    return launch.run([*SETTINGS, "--ckpt-dir", ckpt_dir, "--run-dir", tmp / f"run_{name}", *extra],
+def _train(tmp: Path, name: str, args: list, ckpt_dir: Path, *extra) -> launch.Finished:
+    return launch.run([*args, "--ckpt-dir", ckpt_dir, "--run-dir", tmp / f"run_{name}", *extra],
                       nproc=2, threads=1, cwd=ROOT, timeout=600, summary=tmp / f"{name}.json")
-
-
-def _losses(run: launch.Finished) -> tuple:
-    summary = run.summary()
-    return summary["losses"], summary["start"]
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
-    ck = tmp_path / "ck"
-    first = _train(tmp_path, "first", ck)
-    assert first.returncode == 0, first.output[-5000:]
-    reference, _ = _losses(first)
+def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tiny_reference_run, tmp_path):
+    ck, args = tmp_path / "ck", tiny_reference_run["args"]
+    shutil.copytree(tiny_reference_run["ckpt"], ck)
+    reference = tiny_reference_run["losses"]
     assert [p.name for p in ckpt.checkpoints(ck)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
 
     # Three kinds of damage, newest first: a missing shard, a truncated file, flipped bytes.
@@ -109,14 +98,15 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
     data[len(data) // 2] ^= 0x01
     flipped.write_bytes(bytes(data))
 
-    second = _train(tmp_path, "second", ck, "--keep-last", "1")
+    second = _train(tmp_path, "second", args, ck, "--keep-last", "1")
     out = second.output
     assert second.returncode == 0, out[-5000:]
     assert f"{missing} is missing" in out, out[-5000:]
     assert f"{truncated} has 1000 bytes" in out, out[-5000:]
     assert f"{flipped} does not match its sha256" in out, out[-5000:]
     assert "falling back to" in out and "step_00000002" in out
-    losses, start = _losses(second)
+    summary = second.summary()
+    losses, start = summary["losses"], summary["start"]
     assert start == 2
     for step in range(3, 9):  # same layout, same data: the uninterrupted run's losses
         assert abs(losses[step] - reference[step]) <= 1e-6, (step, losses, reference)
@@ -129,7 +119,7 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tmp_path):
     for shard in (ck / "step_00000002" / "model").glob("*.distcp"):
         shard.write_bytes(b"")
     (ck / "step_00000008" / "state.json").write_text("{}")
-    third = _train(tmp_path, "third", ck)
+    third = _train(tmp_path, "third", args, ck)
     assert third.returncode != 0
     assert "no checkpoint in" in third.output and "verifies" in third.output
 

@@ -14,7 +14,6 @@ import pytest
 import torch.multiprocessing as mp
 
 from aoe_megatron.runtime import launch
-from tests.helpers import TINY_RUN_ARGS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,19 +64,14 @@ def _log_until(path: Path, proc, phrase: str, timeout: float) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigkill_of_one_rank_fails_fast_and_the_restart_matches_the_uninterrupted_run(tmp_path):
+def test_sigkill_of_one_rank_fails_fast_and_the_restart_matches_the_uninterrupted_run(
+        tiny_reference_run, tmp_path):
     token = uuid.uuid4().hex
     env = {"AOE_TEST_KILL": token}
-    steps = ["--train-steps", "8", "--save-interval", "2"]
-    full = launch.run([*TINY_RUN_ARGS, *steps, "--ckpt-dir", tmp_path / "ck_full",
-                       "--run-dir", tmp_path / "run_full"],
-                      nproc=2, env=env, cwd=ROOT, timeout=600, summary=tmp_path / "full.json")
-    assert full.returncode == 0, full.output
-    reference = full.summary()["losses"]
-    assert sorted(reference) == list(range(1, 9))
+    reference = tiny_reference_run["losses"]
 
     ckpt_dir = tmp_path / "ck"
-    args = [*TINY_RUN_ARGS, *steps, "--ckpt-dir", ckpt_dir, "--run-dir", tmp_path / "run"]
+    args = [*tiny_reference_run["args"], "--ckpt-dir", ckpt_dir, "--run-dir", tmp_path / "run"]
     first = tmp_path / "first.log"
     try:
         with open(first, "w") as log:

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from aoe_megatron.runtime import launch
 from aoe_megatron.study import hf_probe, probe
 from tests.helpers import megatron_model, reference_aoe
 
@@ -134,15 +133,10 @@ def test_forced_expert_losses_match_a_float64_reference(megatron_world):
 # ----------------------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="module")
-def aoe_checkpoint(corpus, tmp_path_factory):
-    """A tiny AoE model trained 2 steps by ``python -m aoe_megatron.train`` (one process)."""
-    out = tmp_path_factory.mktemp("train_aoe")
-    run = launch.run(["--preset", "tiny", "--data", corpus["data"], "--train-steps", "2",
-                      "--global-batch-size", "2", "--micro-batch-size", "1", "--warmup-steps", "1",
-                      "--eval-interval", "100", "--ckpt-dir", out / "ckpt", "--run-dir", out / "run"],
-                     nproc=1, cwd=ROOT, timeout=600)
-    assert run.returncode == 0, run.output[-6000:]
-    return out / "ckpt"
+def aoe_checkpoint(trained_checkpoint):
+    """The checkpoint folder of the session's tiny AoE model (trained 3 steps at EP=2; the probe
+    loads it at world 1, EP=1)."""
+    return trained_checkpoint("aoe").parent
 
 
 @pytest.mark.slow
@@ -155,7 +149,7 @@ def test_probe_end_to_end_on_a_trained_checkpoint(aoe_checkpoint, corpus, tmp_pa
     assert "top-norm = loss-best" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert "Forced-expert norm probe" in out.with_suffix(".md").read_text()
-    assert result["checkpoint"].endswith("step_00000002") and result["step"] == 2
+    assert result["checkpoint"].endswith("step_00000003") and result["step"] == 3
     assert (result["num_layers"], result["num_experts"], result["top_k"]) == (2, 4, 2)
     assert result["tokens"] == 3 * 64 and result["sequences"] == 3 and result["seq_length"] == 64
     assert "forced" in result["intervention"] and result["data"] == str(corpus["data"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from aoe_megatron.runtime import launch
-from tests.helpers import TINY_RUN_ARGS, run_distributed, tiny_run_args
+from tests.helpers import run_distributed, tiny_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,18 +36,11 @@ def _assert_pinned(losses: dict, pinned: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
-    steps = ["--train-steps", "8"]
-    full = launch.run([*TINY_RUN_ARGS, *steps, "--ckpt-dir", tmp_path / "ck_full",
-                       "--run-dir", tmp_path / "run_full"],
-                      nproc=2, cwd=ROOT, timeout=600, summary=tmp_path / "full.json")
-    assert full.returncode == 0, full.output
-    full_summary = full.summary()
-    reference = full_summary["losses"]
-    assert sorted(reference) == list(range(1, 9))
+def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_path):
+    reference = tiny_reference_run["losses"]
     _assert_pinned(reference, PINNED_W2_EP2)
 
-    args = [*TINY_RUN_ARGS, *steps, "--ckpt-dir", tmp_path / "ck", "--run-dir", tmp_path / "run"]
+    args = [*tiny_reference_run["args"], "--ckpt-dir", tmp_path / "ck", "--run-dir", tmp_path / "run"]
     with open(tmp_path / "first.log", "w") as log:
         proc = launch.start(args, nproc=2, cwd=ROOT, stdout=log)
         deadline = time.monotonic() + 300
@@ -75,27 +68,27 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tmp_path):
 
     # The weights saved at EP=2 load at EP=1 (still two processes): the validation loss is the same.
     ep1_args = tiny_run_args(expert_parallel_size=1, train_steps=1, eval_interval=1, lr=1e-12,
-                             min_lr=1e-12, load_weights=tmp_path / "ck_full" / "step_00000008",
+                             min_lr=1e-12, load_weights=tiny_reference_run["ckpt"] / "step_00000008",
                              run_dir=tmp_path / "run_ep1")
     at_ep1 = launch.run(ep1_args, nproc=2, cwd=ROOT, timeout=600, summary=tmp_path / "ep1.json")
     assert at_ep1.returncode == 0, at_ep1.output
     assert "initialised the model from" in at_ep1.output
     ep1_valid = at_ep1.summary()["valid_losses"][1]
-    assert ep1_valid == pytest.approx(full_summary["valid_losses"][8], rel=1e-5)
+    assert ep1_valid == pytest.approx(tiny_reference_run["summary"]["valid_losses"][8], rel=1e-5)
 
     # TensorBoard and the run record.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "run_full"))
+    acc = EventAccumulator(str(tiny_reference_run["run"]))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for tag in ("train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "valid/loss",
                 "train/aux_loss", "ent_load/layer_01", "ent_conf/layer_02",
                 "expert_load/layer_01/expert_3", "expert_norm/layer_02/expert_0"):
         assert tag in tags, (tag, sorted(tags))
-    record = json.loads((tmp_path / "run_full" / "run.json").read_text())
+    record = json.loads((tiny_reference_run["run"] / "run.json").read_text())
     assert record["world_size"] == 2 and "megatron_core" in record["versions"]
-    config = json.loads((tmp_path / "run_full" / "config.json").read_text())
+    config = json.loads((tiny_reference_run["run"] / "config.json").read_text())
     assert config["model"]["arch"] == "aoe" and config["train"]["expert_parallel_size"] == 2
 
 
