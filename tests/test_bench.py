@@ -5,7 +5,6 @@ Timings are never asserted: only that they were taken.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -140,19 +139,19 @@ def test_bad_flags_are_refused_clearly():
     for flags, message in ((["--only", "layer,speed"], "--only takes"),
                            (["--reps", "0"], "--reps must be at least 1"),
                            (["--quick", "--shapes", "732m"], "with --quick choose from tiny8")):
-        out = subprocess.run([sys.executable, "tools/bench.py", *flags], capture_output=True,
-                             text=True, env=ENV, cwd=REPO, timeout=120)
+        out = subprocess.run([sys.executable, "-m", "aoe_megatron.cli.bench", *flags],
+                             capture_output=True, text=True, env=ENV, cwd=REPO, timeout=120)
         assert out.returncode == 2 and message in out.stderr, (flags, out.stderr[-2000:])
 
 
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path):
-    out = _run([sys.executable, "tools/bench.py", "--quick", "--out", str(tmp_path)])
+    out = _run([sys.executable, "-m", "aoe_megatron.cli.bench", "--quick", "--out", str(tmp_path)])
     assert "[layer tiny8] aoe-naive rep 2/2" in out.stdout  # progress lines
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res) == {"layer", "model", "ep", "meta"}
     meta = res["meta"]
-    assert meta["command"] == f"tools/bench.py --quick --out {tmp_path}"
+    assert meta["command"] == f"aoe-bench --quick --out {tmp_path}"
     assert {"cpu", "cores", "torch", "megatron_core"} <= set(meta["machine"]) and meta["wall_s"] > 0
 
     assert set(res["layer"]) == {"tiny8", "tiny64"}
@@ -201,7 +200,7 @@ def test_quick_run_end_to_end(tmp_path):
     md = (tmp_path / "README.md").read_text()
     assert "| shape | arm | wall ms | CPU ms | saved MiB | peak MiB |" in md
     assert "| tiny64 | aoe-naive |" in md and "## Expert parallel (EP=2)" in md
-    assert f"`tools/bench.py --quick --out {tmp_path}`" in md
+    assert f"`aoe-bench --quick --out {tmp_path}`" in md
 
 
 def _eq5(d_model, d_ffn, d_low):
@@ -244,9 +243,8 @@ def test_model_level_defaults_leave_gpu_only_models_out_on_cpu():
 
 
 def test_new_flags_refuse_unknown_names(capsys):
-    spec = importlib.util.spec_from_file_location("bench_cli", REPO / "tools" / "bench.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    from aoe_megatron.cli import bench as cli
+
     _, args = cli.parse_args(["--arms", "aoe-d_wide64-nearest", "--model-archs", "moe,aoe-loop"])
     assert args.arms == ["aoe-d_wide64-nearest"] and args.model_archs == ["moe", "aoe-loop"]
     assert cli.parse_args([])[1].model_archs == ["moe", "aoe"]
@@ -264,8 +262,8 @@ def test_new_flags_refuse_unknown_names(capsys):
 
 @pytest.mark.slow
 def test_arms_flag_and_the_d_wide_and_parameter_columns(tmp_path):
-    out = _run([sys.executable, "tools/bench.py", "--quick", "--only", "layer", "--shapes",
-                "tiny64", "--arms", "aoe,aoe-d_wide64-nearest,aoe-grouped_mm", "--reps", "1",
+    out = _run([sys.executable, "-m", "aoe_megatron.cli.bench", "--quick", "--only", "layer",
+                "--shapes", "tiny64", "--arms", "aoe,aoe-d_wide64-nearest,aoe-grouped_mm", "--reps", "1",
                 "--out", str(tmp_path)])
     # tiny64's d_wide 42 is no 16-byte multiple in fp32: grouped_mm is dropped, and said so
     assert "[layer tiny64] time: dropping aoe-grouped_mm: torch._grouped_mm cannot" in out.stdout
@@ -294,8 +292,8 @@ def test_arms_flag_and_the_d_wide_and_parameter_columns(tmp_path):
 
 @pytest.mark.slow
 def test_model_archs_flag(tmp_path):
-    _run([sys.executable, "tools/bench.py", "--quick", "--only", "model", "--model-archs",
-          "moe,aoe-loop", "--model-reps", "1", "--out", str(tmp_path)])
+    _run([sys.executable, "-m", "aoe_megatron.cli.bench", "--quick", "--only", "model",
+          "--model-archs", "moe,aoe-loop", "--model-reps", "1", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())["model"]["models"]["tiny"]
     assert list(res["archs"]) == ["moe", "aoe-loop"]
     for a in res["archs"].values():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -125,11 +124,8 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tiny_refere
 
 
 def test_the_verify_tool_names_damage_and_sets_its_exit_code(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import checkpoints as tool
-    finally:
-        sys.path.pop(0)
+    from aoe_megatron.cli import checkpoints as tool
+
     good = _fake_checkpoint(tmp_path / "step_00000001")
     bad = _fake_checkpoint(tmp_path / "step_00000002")
     (tmp_path / "latest").write_text("step_00000002\n")

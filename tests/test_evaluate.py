@@ -1,4 +1,4 @@
-"""tools/evaluate.py (the paper's lm-eval protocol, offline) and tools/mcnemar.py.
+"""aoe-evaluate (the paper's lm-eval protocol, offline) and aoe-mcnemar.
 
 The evaluation runs end to end on made-up examples in each task's real dataset schema, with a tiny
 random Hugging Face causal LM (fixture ``hf_eval_model``), on CPU and without network access.
@@ -105,11 +105,8 @@ def test_mcnemar_pools_tasks_and_refuses_mismatched_examples(tmp_path):
 
 
 def test_mcnemar_cli(tmp_path, capsys):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import mcnemar as cli
-    finally:
-        sys.path.pop(0)
+    from aoe_megatron.cli import mcnemar as cli
+
     a = _write_samples(tmp_path / "a", {"sst2": [1] * 20 + [0] * 5})
     b = _write_samples(tmp_path / "b", {"sst2": [0] * 12 + [1] * 13})
     assert cli.main([str(a), str(b), "--json"]) == 0
@@ -257,7 +254,7 @@ def test_cli_subset_limit_and_determinism(eval_run, hf_eval_model, eval_data, tm
     """The CLI on two tasks, first 3 examples: same outcomes and prompts as the full API run."""
     _, run = eval_run
     out = tmp_path / "cli"
-    cmd = [sys.executable, str(ROOT / "tools" / "evaluate.py"), str(hf_eval_model), "--data-dir",
+    cmd = [sys.executable, "-m", "aoe_megatron.cli.evaluate", str(hf_eval_model), "--data-dir",
            str(eval_data), "--output", str(out), "--tasks", "sst2", "winogrande", "--device", "cpu",
            "--limit", "3", "--datasets-cache", str(tmp_path / "cache")]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -297,7 +294,7 @@ def test_clean_errors(hf_eval_model, eval_data, tmp_path):
     with pytest.raises(ProtocolError):
         run_evaluation(cfg(tasks=("lambada",)))
 
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "evaluate.py"), str(hf_eval_model),
+    proc = subprocess.run([sys.executable, "-m", "aoe_megatron.cli.evaluate", str(hf_eval_model),
                            "--data-dir", str(eval_data), "--output", str(tmp_path / "x"),
                            "--num-fewshot", "5"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 2 and "protocol fixes the shots" in proc.stderr

@@ -25,8 +25,8 @@ from aoe_megatron.train.faults import NonFiniteError, NonFinitePolicy, TrainingH
 
 ROOT = Path(__file__).resolve().parents[1]
 NAN, INF = float("nan"), float("inf")
-SETTINGS = ["--preset", "tiny", "--expert-parallel-size", "2", "--global-batch-size", "4",
-            "--micro-batch-size", "1", "--warmup-steps", "3", "--lr", "3e-3", "--zero-stage", "2",
+SETTINGS = ["--preset", "tiny", "--expert-model-parallel-size", "2", "--global-batch-size", "4",
+            "--micro-batch-size", "1", "--lr-warmup-iters", "3", "--lr", "3e-3", "--zero-stage", "2",
             "--log-interval", "1"]
 
 
@@ -74,7 +74,7 @@ def test_parse_steps_and_bad_values_are_refused():
 def test_bad_flags_fail_before_any_process_group(flags, phrase, capsys):
     from aoe_megatron.train.loop import main
 
-    assert main(["--preset", "tiny", "--mock-data", "--train-steps", "5", *flags]) == 2
+    assert main(["--preset", "tiny", "--mock-data", "--train-iters", "5", *flags]) == 2
     assert phrase in capsys.readouterr().err
 
 
@@ -87,7 +87,7 @@ def test_finite_steps_pass_and_non_finite_ones_stop_by_default():
         assert verdict.stopped and verdict.skipped == 0
         assert verdict.message.startswith("step 7: non-finite loss ")
         assert "the run stops (--skip-nonfinite 0)" in verdict.message
-        assert "No checkpoint is written without --ckpt-dir." in verdict.message
+        assert "No checkpoint is written without --save (or --ckpt-dir)." in verdict.message
         with pytest.raises(NonFiniteError, match="step 7: non-finite") as err:
             verdict.raise_if_stopped()
         assert isinstance(err.value, TrainingHalted)
@@ -274,7 +274,7 @@ def test_non_finite_steps_are_skipped_within_the_limit_then_stop_the_run(tmp_pat
     same command with 2 resumes from 4 (one skip already counted), skips 5 and ends. A skipped
     step leaves the weights alone: its validation loss equals the step before's."""
     ck, run = tmp_path / "ck", tmp_path / "run"
-    args = ["--mock-data", "--train-steps", "6", "--save-interval", "2", "--eval-interval", "1",
+    args = ["--mock-data", "--train-iters", "6", "--save-interval", "2", "--eval-interval", "1",
             "--eval-iters", "1", "--inject-nonfinite", "3,5", "--ckpt-dir", str(ck),
             "--run-dir", str(run)]
 
@@ -321,16 +321,16 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     data = tmp_path / "data.yaml"
     data.write_text(f"blend:\n  - {{prefix: {prefix}, weight: 1}}\nsplit: '90,10,0'\n")
     ck, run = tmp_path / "ck", tmp_path / "run"
-    args = ["--data", str(data), "--eval-interval", "0", "--eval-iters", "1", "--ckpt-dir",
+    args = ["--data-path", str(data), "--eval-interval", "0", "--eval-iters", "1", "--ckpt-dir",
             str(ck), "--run-dir", str(run)]
-    first = _launch([*args, "--train-steps", "2"])
+    first = _launch([*args, "--train-iters", "2"])
     assert first.returncode == 0, first.output
     recorded = _state(ck, 2)["data"]
     assert recorded == json.loads(json.dumps(fingerprint(str(data))))
 
     _preprocess(tmp_path / "corpus", slice(20, 45))
     now = fingerprint(str(data))["datasets"][0]
-    refused = _launch([*args, "--train-steps", "3"])
+    refused = _launch([*args, "--train-iters", "3"])
     out = refused.output
     assert refused.returncode != 0, out
     assert f"error: the data differs from what {ck / 'step_00000002'} was trained on:" in out
@@ -342,7 +342,7 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     assert (ck / "latest").read_text().strip() == "step_00000002"
     assert json.loads((run / "halted.json").read_text())["reason"] == "DataChanged"
 
-    allowed = _launch([*args, "--train-steps", "3", "--allow-data-change"])
+    allowed = _launch([*args, "--train-iters", "3", "--allow-data-change"])
     out = allowed.output
     assert allowed.returncode == 0, out
     assert "WARNING: --allow-data-change: resuming from" in out

@@ -56,7 +56,7 @@ def test_export_matches_megatron_and_round_trips(arch, corpus, tmp_path, trained
     step_dir = trained_checkpoint(arch)
     hf_dir = tmp_path / "hf"
     if arch == "aoe":  # the command line once, the API otherwise
-        proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--checkpoint",
+        proc = subprocess.run([sys.executable, "-m", "aoe_megatron.cli.convert_to_hf", "--checkpoint",
                                str(step_dir.parent), "--output", str(hf_dir)],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -116,7 +116,7 @@ def test_sharded_safetensors_load_the_same(tmp_path, trained_checkpoint):
 
 
 def test_exported_tokenizer_is_the_preprocessing_tokenizer(corpus, tmp_path):
-    """Encodes like tools/preprocess_data.py, BOS policy included, without a checkpoint."""
+    """Encodes like aoe-preprocess, BOS policy included, without a checkpoint."""
     from transformers import AutoTokenizer
 
     from aoe_megatron.data.preprocess import read_manifest
@@ -201,8 +201,9 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(corpus, tmp_path, trained_che
     with pytest.raises(ConversionError, match=f"output folder {out} already exists"):
         export_to_hf(step_dir, out, log=None)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    proc = subprocess.run([sys.executable, "tools/convert_to_hf.py", "--checkpoint", str(step_dir),
-                           "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "aoe_megatron.cli.convert_to_hf", "--checkpoint",
+                           str(step_dir), "--output", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "already exists" in proc.stderr
 
     # the reverse: a folder whose tokenizer was swapped, and an existing output
@@ -282,7 +283,7 @@ def test_export_memory_stays_near_one_layer_slice(corpus, tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_exported_aoe_model_runs_the_evaluation(tmp_path, trained_checkpoint):
-    """tools/evaluate.py's harness on the exported AoE folder: a zero-shot multiple-choice task and
+    """aoe-evaluate's harness on the exported AoE folder: a zero-shot multiple-choice task and
     a 3-shot task, offline, and lm-eval encodes with the training data's BOS policy."""
     from aoe_megatron.evaluation.harness import EvalConfig, run_evaluation
 

@@ -176,12 +176,12 @@ def test_a_rank_killed_with_a_forked_child_alive_is_still_seen_to_die():
 
 
 def test_the_collective_timeout_is_a_positive_setting(capsys):
-    from aoe_megatron.train.config import parse_train_args
+    from aoe_megatron.train.flags import parse_train_args
     from aoe_megatron.train.loop import main
 
-    cfg = parse_train_args(["--preset", "tiny", "--train-steps", "1",
+    cfg = parse_train_args(["--preset", "tiny", "--train-iters", "1",
                             "--distributed-timeout-minutes", "0.5"])
     assert cfg.distributed_timeout_minutes == 0.5
-    assert main(["--preset", "tiny", "--train-steps", "2", "--mock-data",
+    assert main(["--preset", "tiny", "--train-iters", "2", "--mock-data",
                  "--distributed-timeout-minutes", "0"]) == 2
     assert "--distributed-timeout-minutes must be positive" in capsys.readouterr().err

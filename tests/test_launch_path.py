@@ -20,7 +20,7 @@ from tests.helpers import run_distributed
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = str(ROOT / "aoe_megatron") + os.sep
 TINY = ["--preset", "tiny", "--global-batch-size", "4", "--micro-batch-size", "1",
-        "--warmup-steps", "1", "--eval-interval", "0", "--zero-stage", "1"]
+        "--lr-warmup-iters", "1", "--eval-interval", "0", "--zero-stage", "1"]
 
 
 # --- what a launch reads ----------------------------------------------------------------------
@@ -56,7 +56,7 @@ def test_a_launch_reads_the_preset_the_data_config_and_each_manifest_once(corpus
 
     prefixes = DataConfig.load(corpus["data"]).prefixes
     watched = [PRESET_DIR / "tiny.yaml", corpus["data"], *(f"{p}.manifest.json" for p in prefixes)]
-    argv = [*TINY, "--data", str(corpus["data"]), "--train-steps", "1",
+    argv = [*TINY, "--data-path", str(corpus["data"]), "--train-iters", "1",
             "--ckpt-dir", str(tmp_path / "ckpt"), "--run-dir", str(tmp_path / "run")]
     run_distributed(_count_reads, 1, argv, watched, expert_parallel_size=1)
 
@@ -92,8 +92,8 @@ def _count_step_collectives(rank, world):
     from aoe_megatron.train.loop import EndOfStep
     from aoe_megatron.train.metrics import Reporter
 
-    run = parse_run([*TINY, "--mock-data", "--train-steps", "4", "--log-interval", "2",
-                     "--expert-parallel-size", str(world)], world_size=world)
+    run = parse_run([*TINY, "--mock-data", "--train-iters", "4", "--log-interval", "2",
+                     "--expert-model-parallel-size", str(world)], world_size=world)
     parts = set_up(run, rank=rank)
     reporter = Reporter(None, total_steps=run.steps, tokens_per_step=1, enabled=False)
     end = EndOfStep(parts, reporter, Path(tempfile.mkdtemp()))  # finished.json goes there

@@ -25,6 +25,7 @@ ALLOWED = {
     "evaluation": {"data", "hf", "models", "runtime"},
     "bench": {"models", "moe", "runtime", "train"},
     "study": {"data", "evaluation", "hf", "models", "moe", "runtime", "train"},
+    "cli": {"bench", "data", "evaluation", "hf", "models", "moe", "runtime", "study", "train"},
 }
 #: The flat layout's module names kept as thin aliases for one release, and where they went.
 MOVED = {"aoe_megatron.config": "aoe_megatron.moe.config",
@@ -131,14 +132,15 @@ def test_the_package_itself_imports_none_of_the_deprecated_paths():
 
 def test_the_install_names_every_package_folder_and_no_top_level_patches():
     """pyproject.toml lists the packages (the repository's patches/ installs as
-    ``aoe_megatron._patches``, mapped by package-dir): a new room must be added there."""
+    ``aoe_megatron._patches`` and run/ as ``aoe_megatron._run``, mapped by package-dir): a new
+    room must be added there."""
     import tomllib
 
     config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
                for p in PACKAGE.rglob("__init__.py")}
-    assert set(config["packages"]) == folders | {"aoe_megatron._patches"}
-    assert config["package-dir"] == {"aoe_megatron._patches": "patches"}
+    assert set(config["packages"]) == folders | {"aoe_megatron._patches", "aoe_megatron._run"}
+    assert config["package-dir"] == {"aoe_megatron._patches": "patches", "aoe_megatron._run": "run"}
     assert "patches" not in config["packages"]
 
 

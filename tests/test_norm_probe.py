@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cli():
-    from tests.helpers import load_tool
+    from aoe_megatron.cli import norm_probe
 
-    return load_tool("norm_probe")
+    return norm_probe
 
 
 # ----------------------------------------------------------------------------- the math

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from aoe_megatron.models.gpt import load_preset
-from aoe_megatron.models.params import count_parameters, main
+from aoe_megatron.cli.count_params import main
+from aoe_megatron.models.params import count_parameters
 
 
 @pytest.mark.parametrize("arch", ["moe", "aoe"])

@@ -1,4 +1,4 @@
-"""tools/preprocess_data.py: lossless, counted rejections, identical across formats and workers,
+"""aoe-preprocess: lossless, counted rejections, identical across formats and workers,
 atomic, and readable by megatron-core's IndexedDataset and GPTDataset."""
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def test_interrupted_run_leaves_nothing_readable(tmp_path):
             out.write(data)
     prefix = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(big),
+        [sys.executable, "-m", "aoe_megatron.cli.preprocess", "--input", str(big),
          "--output-prefix", str(prefix), "--append-eod", "--workers", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT,
     )
@@ -211,7 +211,7 @@ def test_interrupted_run_leaves_nothing_readable(tmp_path):
 
 def test_cli_reports_errors_cleanly(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input",
+        [sys.executable, "-m", "aoe_megatron.cli.preprocess", "--input",
          str(tmp_path / "nope.jsonl"), "--output-prefix", str(tmp_path / "x")],
         capture_output=True, text=True, cwd=ROOT,
     )

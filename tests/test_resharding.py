@@ -21,8 +21,8 @@ pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
 SAVE_AT, STEPS = 3, 11  # checkpoints at steps 3, 6, 9 and 11; at least 5 steps after a resume
 SETTINGS = ["--preset", "tiny", "--set", "vocab_size=512", "--global-batch-size", "4",
-            "--micro-batch-size", "1", "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval",
-            "0", "--log-interval", "1", "--mock-data", "--train-steps", str(STEPS),
+            "--micro-batch-size", "1", "--lr-warmup-iters", "2", "--lr", "3e-3", "--eval-interval",
+            "0", "--log-interval", "1", "--mock-data", "--train-iters", str(STEPS),
             "--save-interval", str(SAVE_AT)]
 TOL = 1e-5
 # bf16: the resumed run sums the same fp32 gradients in another order (another world size and
@@ -33,7 +33,7 @@ BF16_TOL = 2e-4
 
 def _train(tmp: Path, name: str, *, world: int, ep: int, zero: int = 2, ckpt: Path,
            extra: tuple = ()) -> dict:
-    run = launch.run([*SETTINGS, "--expert-parallel-size", ep, "--zero-stage", zero,
+    run = launch.run([*SETTINGS, "--expert-model-parallel-size", ep, "--zero-stage", zero,
                       "--ckpt-dir", ckpt, "--run-dir", tmp / f"run_{name}", *extra],
                      nproc=world, threads=1, cwd=ROOT, timeout=600, summary=tmp / f"{name}.json")
     assert run.returncode == 0, run.output[-12000:]

@@ -228,8 +228,8 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
         reference_dir = tmp_path / "reference"
         with open(tmp_path / "reference.out", "w") as reference_log:
             reference = launch.start(
-                ["--preset", "tiny", "--data", data, "--expert-parallel-size", "2",
-                 "--zero-stage", "1", "--train-steps", steps, "--eval-interval", "0",
+                ["--preset", "tiny", "--data-path", data, "--expert-model-parallel-size", "2",
+                 "--zero-stage", "1", "--train-iters", steps, "--eval-interval", "0",
                  "--log-interval", "1", "--save-interval", "4", "--run-dir", reference_dir],
                 nproc=2, threads=1, cwd=ROOT, stdout=reference_log)
 

@@ -1,4 +1,4 @@
-"""The evidence study (tools/study.py): the quick mode end to end through the real entry points,
+"""The evidence study (aoe-study): the quick mode end to end through the real entry points,
 its statistics recomputed by hand from the numbers it produced, reuse and resume, spec errors."""
 
 import json
@@ -53,7 +53,7 @@ def quick_spec(study_data, tmp_path_factory):
 
 
 def _study(spec, out, *extra):
-    return subprocess.run([sys.executable, str(ROOT / "tools/study.py"), str(spec), "--quick",
+    return subprocess.run([sys.executable, "-m", "aoe_megatron.cli.study", str(spec), "--quick",
                            "--out", str(out), *extra], capture_output=True, text=True, timeout=900)
 
 
@@ -100,7 +100,7 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     assert doc["contrasts"] == {"aoe": {}}  # compare_to: aoe, with no third arm in quick mode
     # The AoE arm ran on two processes with EP=2 through torch.distributed.run, and was probed.
     record = json.loads((out / "runs/aoe/seed1/study-run.json").read_text())
-    assert "torch.distributed.run" in record["command"] and "--expert-parallel-size" in record["command"]
+    assert "torch.distributed.run" in record["command"] and "--expert-model-parallel-size" in record["command"]
     state = json.loads(next((out / "runs/aoe/seed1/ckpt").glob("*/state.json")).read_text())
     assert state["layout"]["world_size"] == 2 and state["layout"]["expert_parallel_size"] == 2
     assert doc["arms"]["aoe"]["probe"]["layers"] and "probe" not in doc["arms"]["moe"]

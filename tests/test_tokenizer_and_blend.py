@@ -30,7 +30,7 @@ def test_trained_tokenizer_has_the_llama_id_layout(tmp_path, corpus_lines):
     src = tmp_path / "small.jsonl"
     src.write_text("\n".join(corpus_lines[:60]) + "\n", encoding="utf-8")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "train_tokenizer.py"), "--input", str(src),
+        [sys.executable, "-m", "aoe_megatron.cli.train_tokenizer", "--input", str(src),
          "--output-prefix", str(tmp_path / "tok"), "--vocab-size", "600"],
         capture_output=True, text=True, cwd=ROOT,
     )

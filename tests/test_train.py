@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PINNED_W2_EP2 = {1: 10.386086463928223, 2: 10.382135391235352, 3: 10.386457443237305,
                  4: 10.389907836914062, 5: 10.365836143493652, 6: 10.383447647094727,
                  7: 10.381346702575684, 8: 10.37588882446289}
-#: World 1: ``python -m aoe_megatron.train --preset tiny --train-steps 2 --mock-data``.
+#: World 1: ``python -m aoe_megatron.train --preset tiny --train-iters 2 --mock-data``.
 PINNED_W1 = {1: 10.372169494628906, 2: 10.389126777648926}
 
 
@@ -139,23 +139,23 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "args,env,phrase",
     [
-        (["--preset", "tiny", "--train-steps", "2", "--expert-parallel-size", "3"], {"WORLD_SIZE": "3"},
+        (["--preset", "tiny", "--train-iters", "2", "--expert-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
          "not divisible by expert parallel size"),
-        (["--preset", "tiny", "--train-steps", "2", "--expert-parallel-size", "2", "--zero-stage", "3"],
+        (["--preset", "tiny", "--train-iters", "2", "--expert-model-parallel-size", "2", "--zero-stage", "3"],
          {"WORLD_SIZE": "2"}, "ZeRO-3 with expert parallelism"),
-        (["--preset", "nonexistent", "--train-steps", "2"], {}, "no preset"),
-        (["--preset", "tiny", "--train-steps", "2", "--keep-last", "-1", "--mock-data"], {},
+        (["--preset", "nonexistent", "--train-iters", "2"], {}, "no preset"),
+        (["--preset", "tiny", "--train-iters", "2", "--keep-last", "-1", "--mock-data"], {},
          "--keep-last must be >= 0"),
-        (["--preset", "tiny"], {}, "exactly one of --train-steps and --train-tokens"),
-        (["--preset", "tiny", "--train-steps", "2", "--tensor-model-parallel-size", "2"], {},
+        (["--preset", "tiny"], {}, "exactly one of --train-iters and --train-tokens"),
+        (["--preset", "tiny", "--train-iters", "2", "--tensor-model-parallel-size", "2"], {},
          "tensor and pipeline parallelism are not supported yet"),
-        (["--preset", "tiny", "--train-steps", "2", "--set", "num_layer=3"], {},
+        (["--preset", "tiny", "--train-iters", "2", "--set", "num_layer=3"], {},
          "unknown model settings ['num_layer']"),
-        (["--preset", "tiny", "--train-steps", "2", "--set", "aoe.d_low=64"], {},
+        (["--preset", "tiny", "--train-iters", "2", "--set", "aoe.d_low=64"], {},
          "must be smaller than d_model"),
-        (["--preset", "tiny", "--train-steps", "2"], {}, "no --data: give a data config"),
-        (["--preset", "tiny", "--train-steps", "2", "--data", "run/data-shakespeare.yaml",
-          "--mock-data"], {}, "--data and --mock-data exclude each other"),
+        (["--preset", "tiny", "--train-iters", "2"], {}, "no --data-path: give a data config"),
+        (["--preset", "tiny", "--train-iters", "2", "--data-path", "run/data-shakespeare.yaml",
+          "--mock-data"], {}, "--data-path and --mock-data exclude each other"),
     ],
 )
 def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypatch, capsys):
@@ -174,7 +174,7 @@ def test_bad_arguments_fail_before_any_process_group(args, env, phrase, monkeypa
 def test_model_overrides_reach_the_model():
     from aoe_megatron.train.run import parse_run
 
-    run = parse_run(["--preset", "aoe_732m", "--train-steps", "1", "--set", "num_layers=3",
+    run = parse_run(["--preset", "aoe_732m", "--train-iters", "1", "--set", "num_layers=3",
                      "--set", "aoe.d_low=128", "--arch", "moe", "--mock-data"], world_size=1)
     cfg, model = run.cfg, run.model
     assert (model.num_layers, model.aoe.d_low, model.arch) == (3, 128, "moe")
@@ -190,7 +190,7 @@ def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: tiny\ntrain:\n  learning_rate: 1.0\n")
-    assert main(["--preset", str(bad), "--train-steps", "2"]) == 2
+    assert main(["--preset", str(bad), "--train-iters", "2"]) == 2
     assert "unknown train settings ['learning_rate']" in capsys.readouterr().err
     src = tmp_path / "d.jsonl"
     src.write_text("".join(json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(40)))
@@ -199,7 +199,7 @@ def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):
     other = train_tokenizer([str(src)], str(tmp_path / "other"), vocab_size=300)
     data = tmp_path / "data.yaml"
     data.write_text(f"blend:\n  - {{prefix: {tmp_path / 'd_text_document'}, weight: 1}}\n")
-    assert main(["--preset", "tiny", "--train-steps", "2", "--data", str(data),
+    assert main(["--preset", "tiny", "--train-iters", "2", "--data-path", str(data),
                  "--tokenizer-model", str(other)]) == 2
     assert "not the tokenizer given" in capsys.readouterr().err
 
@@ -234,7 +234,7 @@ def test_bare_single_process_launch_trains_on_mock_data_and_says_so(tmp_path):
     announced and recorded; megatron-core's per-layer "Unknown MLP type" line and the TE/apex
     import warnings are replaced by one line."""
     run_dir = tmp_path / "run"
-    out = launch.run(["--preset", "tiny", "--train-steps", "2", "--mock-data",
+    out = launch.run(["--preset", "tiny", "--train-iters", "2", "--mock-data",
                       "--run-dir", run_dir], nproc=1, cwd=ROOT, timeout=600)
     log = out.output
     assert out.returncode == 0, log[-3000:]

@@ -1,67 +1,10 @@
 #!/usr/bin/env python
-"""The README's ablation table: every preset in run/presets/ablations, with its parameters and
-per-token FLOPs relative to Table 2's Config 2 (traditional MoE + L_aux), computed without
-allocating any model.
-
-    python tools/ablation_table.py > /tmp/table.md
-
-FLOPs per token are counted as 2 x the weights a token multiplies by, as implemented
-(attention-score FLOPs, equal in every row, left out): AoE layers compute every expert's cache
-(all W_down slices), plus the frozen matrix of the frozen-ranking control and the linear router
-of Config 3; top-P and expert choice use a varying number of experts per token.
-"""
+"""Deprecated: use `aoe-ablation-table` (aoe_megatron.cli.ablation_table); this wrapper goes in the next release."""
 
 import sys
-from pathlib import Path
 
-from aoe_megatron.models.gpt import PRESET_DIR, load_preset
-from aoe_megatron.models.params import count_parameters
-
-BASELINE = "ablations/c02_moe_aux"
-VARYING = {"top_p": "varies per token (p = {p})", "expert_choice": "varies per token (capacity factor {capacity_factor})"}
-
-
-def describe(path: Path) -> str:
-    """The preset's first comment line."""
-    return next(line[1:].strip() for line in path.read_text().splitlines() if line.startswith("#"))
-
-
-def flop_weights(cfg) -> int:
-    """Weights one token multiplies by, as implemented (see the module docstring)."""
-    count = count_parameters(cfg)
-    if cfg.arch == "moe":
-        return count.active
-    extra = 0
-    if cfg.aoe.rank_source == "frozen_random":
-        extra = cfg.num_layers * cfg.num_experts * cfg.hidden_size * cfg.aoe.d_low
-    return count.active_with_all_caches + extra
-
-
-def ep_sizes(cfg) -> str:
-    """Where tests/test_ablations.py trains (and evaluates) the preset."""
-    if cfg.arch == "aoe" and cfg.aoe.inference_selection == "fon":
-        return "1, 2 (evaluation: 1, dense)"
-    return "1, 2"
-
-
-def main() -> int:
-    base = count_parameters(load_preset(BASELINE))
-    base_flops = flop_weights(load_preset(BASELINE))
-    rows = ["| preset | configuration | total params | vs Config 2 | FLOPs/token vs Config 2 | EP |",
-            "|---|---|---:|---:|---:|---|"]
-    for path in sorted((PRESET_DIR / "ablations").glob("*.yaml")):
-        name = f"ablations/{path.stem}"
-        cfg = load_preset(name)
-        count = count_parameters(cfg)
-        mode = cfg.aoe.selection if cfg.arch == "aoe" else cfg.router.selection
-        options = cfg.aoe.selection_options if cfg.arch == "aoe" else cfg.router.selection_options
-        flops = (VARYING[mode].format(**options) if mode in VARYING
-                 else f"{flop_weights(cfg) / base_flops - 1:+.1%}")
-        rows.append(f"| `{name}` | {describe(path)} | {count.total / 1e6:.1f}M | "
-                    f"{count.total / base.total - 1:+.1%} | {flops} | {ep_sizes(cfg)} |")
-    print("\n".join(rows))
-    return 0
-
+from aoe_megatron.cli.ablation_table import main, parser  # noqa: F401  (importable, as before)
 
 if __name__ == "__main__":
-    sys.exit(main())
+    print("note: tools/ablation_table.py is deprecated: use aoe-ablation-table", file=sys.stderr)
+    raise SystemExit(main())

@@ -37,8 +37,8 @@ def _run(args, ckpt: Path, run_dir: Path, steps: int) -> str:
 
     done = launch.run(["--preset", "tiny", *SHAPES["quick" if args.quick else "large"],
                        "--mock-data", "--global-batch-size", 2 * args.world, "--micro-batch-size",
-                       1, "--train-steps", steps, "--save-interval", 1, "--eval-interval", 0,
-                       "--warmup-steps", 1, "--expert-parallel-size", args.ep, "--zero-stage",
+                       1, "--train-iters", steps, "--save-interval", 1, "--eval-interval", 0,
+                       "--lr-warmup-iters", 1, "--expert-model-parallel-size", args.ep, "--zero-stage",
                        args.zero, "--ckpt-dir", ckpt, "--run-dir", run_dir],
                       nproc=args.world, threads=1, cwd=REPO, timeout=1800)
     if done.returncode:

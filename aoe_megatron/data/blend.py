@@ -14,7 +14,7 @@ validation, and there is no test set):
     valid_blend:
       - {prefix: data/study_valid_text_document, weight: 1.0}
 
-Every prefix must have the manifest written by tools/preprocess_data.py, all with one tokenizer
+Every prefix must have the manifest written by aoe-preprocess, all with one tokenizer
 (and the tokenizer given to training, when one is): a run never mixes tokenizers silently.
 """
 

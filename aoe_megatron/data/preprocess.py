@@ -314,6 +314,6 @@ def read_manifest(prefix: str) -> dict:
     """The manifest beside a dataset prefix (training and export check it)."""
     path = f"{prefix}.manifest.json"
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: the dataset was not written by tools/preprocess_data.py")
+        raise FileNotFoundError(f"{path} is missing: the dataset was not written by aoe-preprocess")
     with open(path) as fh:
         return json.load(fh)

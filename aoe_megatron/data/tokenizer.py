@@ -1,18 +1,26 @@
 """The sentencepiece tokenizer used for preprocessing, training and export.
 
 Default: the Llama-compatible 32,000-piece BPE shipped in the ``mistral-common`` wheel
-(Apache-2.0), fetched at set-up into ``assets/tokenizer/`` with its licence. Any sentencepiece
-model with the Llama id layout (unk/bos/eos = 0/1/2) works, the real Llama ``tokenizer.model`` too.
+(Apache-2.0). ``aoe-fetch-assets`` (``make assets``, part of ``make setup``) downloads it into the
+assets folder with its licence and, in a checkout, also beside this module, so that a wheel built
+there ships it as package data. Any sentencepiece model with the Llama id layout (unk/bos/eos =
+0/1/2) works, the real Llama ``tokenizer.model`` too.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-ASSETS = REPO_ROOT / "assets"
-DEFAULT_TOKENIZER = ASSETS / "tokenizer" / "llama32k-mistral-common.model"
+#: Where fetched assets (the default tokenizer, corpora, downloads) live: $AOE_MEGATRON_ASSETS,
+#: else ~/.cache/aoe-megatron. The Makefile and the tests point it at the checkout's assets/.
+ASSETS = Path(os.environ.get("AOE_MEGATRON_ASSETS") or Path.home() / ".cache" / "aoe-megatron")
+TOKENIZER_NAME = "llama32k-mistral-common.model"
+#: The default tokenizer as package data (present when the package was built or set up with it).
+PACKAGED_TOKENIZER = Path(__file__).resolve().parent / "tokenizer" / TOKENIZER_NAME
+#: The default tokenizer as fetched into the assets folder.
+DEFAULT_TOKENIZER = ASSETS / "tokenizer" / TOKENIZER_NAME
 
 
 def sha256_of(path) -> str:
@@ -24,12 +32,13 @@ def sha256_of(path) -> str:
 
 
 def default_tokenizer_path() -> Path:
-    if not DEFAULT_TOKENIZER.is_file():
-        raise FileNotFoundError(
-            f"the default tokenizer {DEFAULT_TOKENIZER} is missing: run `make assets` (part of "
-            f"`make setup`), or pass --tokenizer-model PATH"
-        )
-    return DEFAULT_TOKENIZER
+    """The package's own copy of the default tokenizer, else the one in the assets folder."""
+    for path in (PACKAGED_TOKENIZER, DEFAULT_TOKENIZER):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the default tokenizer is missing (neither {PACKAGED_TOKENIZER} nor {DEFAULT_TOKENIZER}): "
+        f"run `aoe-fetch-assets` (`make assets` in a checkout), or pass --tokenizer-model PATH")
 
 
 class Tokenizer:

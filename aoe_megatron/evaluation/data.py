@@ -128,7 +128,7 @@ def missing_data_message(missing: list[Path], tasks: list[str], data_dir: Path) 
     lines = ["missing task data file(s):", *(f"  {p}" for p in missing)]
     lines.append(
         "Get them on a machine with network access with\n"
-        f"  python tools/evaluate.py fetch-data --data-dir {data_dir} --tasks {' '.join(tasks)}\n"
+        f"  aoe-evaluate fetch-data --data-dir {data_dir} --tasks {' '.join(tasks)}\n"
         "and copy the directory here (layout: DIR/<task>/<split>.jsonl)."
     )
     return "\n".join(lines)

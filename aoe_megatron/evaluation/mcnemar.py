@@ -111,7 +111,7 @@ def mcnemar(b: int, c: int, both_correct: int = 0, both_wrong: int = 0,
 def _sample_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    if (path / "samples").is_dir():  # an output directory of tools/evaluate.py
+    if (path / "samples").is_dir():  # an output directory of aoe-evaluate
         path = path / "samples"
     if not path.is_dir():
         raise PairingError(f"{path} does not exist")

@@ -1,6 +1,6 @@
 """Hugging Face configuration of an Autonomy-of-Experts (AoE) causal language model.
 
-Written next to the weights by ``tools/convert_to_hf.py``; loaded with
+Written next to the weights by ``aoe-convert-to-hf``; loaded with
 ``AutoConfig.from_pretrained(path, trust_remote_code=True)``. Self-contained: it imports only
 transformers, so the exported folder works without aoe-megatron installed.
 """

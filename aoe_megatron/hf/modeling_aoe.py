@@ -1,6 +1,6 @@
 """Autonomy-of-Experts (AoE, arXiv 2501.13074) causal language model for Hugging Face transformers.
 
-Exported by ``tools/convert_to_hf.py`` next to ``config.json``; load it with
+Exported by ``aoe-convert-to-hf`` next to ``config.json``; load it with
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``. Self-contained (imports
 only torch and transformers). It computes what aoe-megatron's megatron-core GPTModel computes:
 pre-norm decoder layers (RMSNorm, rotary attention without biases) whose MLP is an AoE layer.

@@ -2,7 +2,7 @@
 
 A thin layer over the sentencepiece model (``tokenizer.model``): text is encoded by sentencepiece
 as a whole, with no Hugging Face pre- or post-processing (no splitting on special-token strings,
-no space clean-up), so ids equal ``tools/preprocess_data.py``'s. ``prepend_bos`` follows the
+no space clean-up), so ids equal ``aoe-preprocess``'s. ``prepend_bos`` follows the
 training data's BOS policy (read from the preprocessing manifest at export); EOS is never added
 (it separates documents in training, it does not end a prompt). Self-contained: it imports only
 sentencepiece and transformers.

@@ -17,6 +17,7 @@ from aoe_megatron.models.settings import (  # noqa: F401  (AoESettings, RouterSe
     upgrade_sections,
 )
 from aoe_megatron.moe.config import AoEConfig, from_transformer_config
+from aoe_megatron.runtime import resources
 
 ARCHS = ("aoe", "moe")
 
@@ -107,7 +108,8 @@ class ModelConfig:
         return ModelConfig.from_dict(raw)
 
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "run" / "presets"
+#: The package's presets (the repository's run/presets, installed as package data).
+PRESET_DIR = resources.path("presets")
 
 
 def _merge(base: dict, over: dict) -> dict:

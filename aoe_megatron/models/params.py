@@ -13,11 +13,9 @@ RoPE has no parameters, so the sequence length changes no count.
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from aoe_megatron.models.gpt import ModelConfig, load_preset
+from aoe_megatron.models.gpt import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -68,39 +66,3 @@ def count_parameters(cfg: ModelConfig) -> ParamCount:
         per_layer={"attention": attention, "norms": norms, **experts, "layer_total": layer_total},
         embedding=embedding,
     )
-
-
-def _fmt(n: int) -> str:
-    return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description="Total and active parameters of a model preset, computed without allocating it."
-    )
-    ap.add_argument("preset", help="preset name (tiny, 732m, 4b) or a YAML file")
-    ap.add_argument("--arch", choices=("aoe", "moe", "both"), default="both")
-    ap.add_argument("--d-low", type=int, help="override the AoE cache width")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = ap.parse_args(argv)
-    archs = ("moe", "aoe") if args.arch == "both" else (args.arch,)
-    rows = {}
-    for arch in archs:
-        overrides = {"arch": arch}
-        if args.d_low is not None:
-            overrides["aoe"] = {"d_low": args.d_low}
-        try:
-            rows[arch] = count_parameters(load_preset(args.preset, **overrides))
-        except ValueError as err:
-            ap.error(str(err))
-    if args.json:
-        print(json.dumps({a: asdict(c) for a, c in rows.items()}, indent=2))
-        return 0
-    print(f"{'arch':<6}{'total':>12}{'active':>12}{'active+all W_down':>20}")
-    for arch, c in rows.items():
-        print(f"{arch:<6}{_fmt(c.total):>12}{_fmt(c.active):>12}{_fmt(c.active_with_all_caches):>20}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

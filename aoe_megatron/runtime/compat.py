@@ -154,12 +154,30 @@ def fallback_note() -> str | None:
     return f"no {', no '.join(missing)}: using PyTorch kernels ({cost})"
 
 
+_said_fallback = False
+
+
+def say_fallback_once() -> None:
+    """Print ``fallback_note`` once per process, as ``[rank N] ...`` (the one line that replaces
+    megatron-core's import-time warnings); ``init_megatron`` calls it."""
+    global _said_fallback
+    if _said_fallback:
+        return
+    _said_fallback = True
+    if (note := fallback_note()) is not None:
+        import os
+
+        print(f"[rank {os.environ.get('RANK', '0')}] {note}", flush=True)
+
+
 def quiet_cpu_fallback_warnings() -> None:
     """Without CUDA, megatron-core warns on import that TE and apex are missing: expected here
-    (``fallback_note`` says it once). Drops exactly megatron-core's per-layer UNKNOWN_MLP_TYPE."""
+    (``say_fallback_once`` says it in one line). Drops exactly megatron-core's per-layer
+    UNKNOWN_MLP_TYPE, and its warning about a cuda_graph_scope default we never set. Called by
+    ``import aoe_megatron``, before any megatron-core module is imported."""
+    warnings.filterwarnings("ignore", message="full scope is deprecated")
     if not torch.cuda.is_available():
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-        warnings.filterwarnings("ignore", message="full scope is deprecated")
     layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
     if not any(isinstance(f, _DropExactly) for f in layer_logger.filters):
         layer_logger.addFilter(_DropExactly(UNKNOWN_MLP_TYPE))

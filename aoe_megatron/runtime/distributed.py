@@ -112,8 +112,10 @@ def init_megatron(
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from aoe_megatron._patches import apply_patches
+    from aoe_megatron.runtime.compat import say_fallback_once
 
     apply_patches()
+    say_fallback_once()
     _forked_children_die_with_their_parent()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -14,7 +14,7 @@ so "norm" weights are often nearly one-hot; "router" isolates the choice from th
 
 Supports Hugging Face Mixtral and OLMoE folders (transformers' fused expert layout:
 ``gate_up_proj`` [E, 2F, D] = [W_g; W_p] transposed, ``down_proj`` [E, D, F]), e.g. a stock MoE
-checkpoint exported by tools/convert_to_hf.py.
+checkpoint exported by aoe-convert-to-hf.
 
 Shape suffixes: T tokens, D d_model, E experts, K top-k, F expert width.
 """
@@ -217,7 +217,7 @@ def _load(folder: Path, dtype: str, device):
     kind = json.loads(config_path.read_text()).get("model_type")
     if kind == "aoe":
         raise ProbeError(f"{folder} is an AoE model: it has no router to remove; probe its training "
-                         f"checkpoint with tools/norm_probe.py CKPT --data DATA.yaml")
+                         f"checkpoint with aoe-norm-probe CKPT --data DATA.yaml")
     if kind not in MODEL_TYPES:
         raise ProbeError(f"{folder} has model_type {kind!r}; the probe supports {MODEL_TYPES}")
     torch_dtype = {"auto": "auto", "fp32": torch.float32, "bf16": torch.bfloat16}[dtype]

@@ -215,8 +215,8 @@ def probe_config(raw: dict, where=""):
     cfg = ModelConfig.from_dict(raw)
     if cfg.arch != "aoe":
         raise ProbeError(f"{where} is a traditional MoE (arch {cfg.arch!r}): it has no expert norms "
-                         f"to probe; for routers, export it (tools/convert_to_hf.py) and run "
-                         f"tools/norm_probe.py --hf")
+                         f"to probe; for routers, export it (aoe-convert-to-hf) and run "
+                         f"aoe-norm-probe --hf")
     if cfg.aoe.rank_source != "cache":
         raise ProbeError(f"{where} ranks experts by rank_source={cfg.aoe.rank_source!r}, not by "
                          f"their cache norms: the norm probe does not apply")

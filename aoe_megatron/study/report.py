@@ -177,7 +177,7 @@ def markdown(doc: dict, images: list) -> str:
     for name, e in probe_arms:
         lines += ["", f"## Norm probe (`{name}`)", "",
                   "Each expert forced in turn as every token's single expert in one layer; does the "
-                  "norm ranking predict the loss ranking? (tools/norm_probe.py; mean over seeds, "
+                  "norm ranking predict the loss ranking? (aoe-norm-probe; mean over seeds, "
                   "range in brackets)", "", e["probe"]["intervention"], "",
                   "| layer | top-norm = loss-best | chance | Spearman(norm, −loss) | norm rank of the "
                   "loss-best expert (chance) | forced loss: top-norm / bottom-norm expert | unforced loss "
@@ -194,7 +194,7 @@ def markdown(doc: dict, images: list) -> str:
                   f"The routers of the trained MoE removed; each layer's top-{t['top_k']} experts chosen by "
                   f"the L2 norm of a node of their own computation, weighted by a softmax over those norms "
                   f"({t['weighting']}); {t['tokens']} tokens of {t['documents']} held-out documents "
-                  "(tools/norm_probe.py --hf).", "",
+                  "(aoe-norm-probe --hf).", "",
                   "| selection | loss | Δ loss | next-token accuracy | Δ accuracy | same experts as the router |",
                   "|---|---:|---:|---:|---:|---:|"]
         for r in t["results"]:

@@ -34,8 +34,9 @@ from pathlib import Path
 from aoe_megatron.models.gpt import ModelConfig, _merge
 from aoe_megatron.models.settings import SECTIONS, upgrade_sections
 from aoe_megatron.moe.config import LEGACY_KEYS
+from aoe_megatron.runtime import resources
 
-STUDY_DIR = Path(__file__).resolve().parents[2] / "run" / "studies"
+STUDY_DIR = resources.path("studies")
 TOP_KEYS = {"name", "description", "data", "model", "train", "seeds", "baseline", "evaluation",
             "probe", "table1", "arms", "quick", "compare_to"}
 ARM_KEYS = {"name", "label", "model", "train", "world_size", "expert_parallel_size"}

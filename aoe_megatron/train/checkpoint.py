@@ -212,12 +212,15 @@ def check_config(state: dict, config: dict, path) -> None:
 
 
 def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, seed: int,
-           log: Callable = print, before_load: Optional[Callable] = None) -> Optional[dict]:
+           log: Callable = print, before_load: Optional[Callable] = None,
+           mark_verified: bool = True) -> Optional[dict]:
     """Restore the newest checkpoint of ``ckpt_dir`` that verifies (None: there is none yet).
 
     A checkpoint that fails verification is reported with the file at fault and the next older
     one is tried; if checkpoints exist but none verifies, this raises rather than start over.
     ``before_load(state)`` may refuse the chosen checkpoint (by raising) before anything loads.
+    ``mark_verified``: record the checkpoint as ``last_verified`` in ``ckpt_dir`` (retention's
+    fallback), only where this run also saves (a --load folder of another run is not written).
     """
     rank = dist.get_rank()
     say = log if rank == 0 else (lambda *_: None)
@@ -235,7 +238,7 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
             say(f"falling back to {path} (newest checkpoint that verifies; skipped "
                 f"{', '.join(tried)})")
         state = json.loads((path / "state.json").read_text())
-        if rank == 0 and state.get("format", 1) >= FORMAT:
+        if rank == 0 and mark_verified and state.get("format", 1) >= FORMAT:
             _write_pointer(ckpt_dir, VERIFIED, path.name)
         check_config(state, config, path)
         state["path"] = str(path)

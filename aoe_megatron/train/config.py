@@ -1,87 +1,143 @@
-"""Training settings: a preset's ``train:`` section plus command-line overrides (``train/run.py``
-resolves and validates them, once, before any process group starts)."""
+"""Training settings: one schema (``TrainConfig``: each setting's default, help, group and
+Megatron-LM name), filled from a preset's ``train:`` section and the command line
+(``train/flags.py``); ``train/run.py`` resolves and validates them, once, before any process
+group starts."""
 
 from __future__ import annotations
 
-import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
-from aoe_megatron.models.gpt import preset_dict
+
+def setting(default, group: str, help: str, *, megatron: Optional[str] = None, flag: str = "",
+            old: tuple = ()):
+    """A training setting: its default, its help-text group, its help, its Megatron-LM flag
+    (``megatron``; the command line then spells it that way) and deprecated spellings (``old``,
+    accepted for one release). ``flag`` overrides the spelling derived from the field name."""
+    return field(default=default, metadata={"group": group, "help": help, "megatron": megatron,
+                                            "flag": flag, "old": old})
+
+
+#: The help's groups, in order: Megatron-LM's (model, parallelism, training, learning rate,
+#: checkpointing, data, logging) and our own faults group.
+GROUPS = MODEL, PARALLEL, TRAINING, LR, CKPT, DATA, LOGGING, FAULTS = (
+    "model", "parallelism", "training", "learning rate", "checkpointing", "data", "logging",
+    "faults")
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    preset: str
-    """Model preset name or YAML (its ``model:`` section; ``train:`` gives these defaults)."""
-    data: Optional[str] = None
-    """Data config YAML (run/data-*.yaml); required unless ``mock_data``."""
-    mock_data: bool = False
-    """Train on random tokens instead of ``data`` (smoke and debugging runs; Megatron-LM's name)."""
-    arch: Optional[str] = None
-    """Override the preset's architecture: aoe or moe."""
-    model_overrides: tuple = ()
-    """Model settings over the preset's, as KEY=VALUE (``num_layers=4``, ``aoe.d_low=128``)."""
-    tensor_model_parallel_size: int = 1
-    """Only 1 for now (AoE layers are expert- and data-parallel)."""
-    pipeline_model_parallel_size: int = 1
-    """Only 1 for now."""
-    expert_parallel_size: int = 1
-    zero_stage: int = 1
-    precision: str = "auto"
-    """Weights and activations: bf16 or fp32; auto: bf16 on CUDA, fp32 on the CPU. The fp32
-    master weights and Adam state are kept by the optimizer either way."""
-    grad_accum_dtype: str = "fp32"
-    """bf16 runs: gradients are accumulated over the micro-batches and reduced across ranks in
-    this dtype (fp32, as Megatron-LM does; bf16 halves that memory and traffic but rounds away
-    small gradients over many micro-batches)."""
-    micro_batch_size: int = 1
-    global_batch_size: int = 8
-    """Sequences per optimizer step, over all data-parallel ranks."""
-    train_steps: Optional[int] = None
-    train_tokens: Optional[int] = None
-    """Alternative to train_steps: steps = ceil(tokens / (global_batch_size * seq_length))."""
-    lr: float = 2e-4
-    min_lr: float = 1.28e-5
-    warmup_steps: int = 4800
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    clip_grad: float = 1.0
-    seed: int = 1234
-    distributed_timeout_minutes: float = 10.0
-    """A collective waiting longer than this for a peer fails the run instead of hanging
-    (Megatron-LM's flag and default; torch's own is 30). A dead peer is noticed at once."""
-    recompute: bool = False
-    """Recompute each MoE layer's activations in backward (saves memory)."""
-    eval_interval: int = 100
-    eval_iters: int = 4
-    save_interval: int = 0
-    """Steps between checkpoints; 0 saves only on a signal and at the end."""
-    ckpt_dir: Optional[str] = None
-    """Checkpoints go here; restarting the command resumes from the newest one that verifies."""
-    keep_last: int = 0
-    """Keep only the N newest checkpoints (0: all); never deletes the one ``latest`` names nor
-    the newest one that passed verification (``last_verified``)."""
-    load_weights: Optional[str] = None
-    """Start from this checkpoint's model weights (saved at any EP size) with a fresh optimizer;
-    ignored when ckpt_dir holds a checkpoint to resume from."""
-    run_dir: str = "runs/default"
-    """TensorBoard logs, the resolved config and the run's record."""
-    log_interval: int = 1
-    tokenizer_model: Optional[str] = None
-    """If given, the data must have been tokenized with this file (its sha256 is checked)."""
-    skip_nonfinite: int = 0
-    """Skip at most this many steps whose loss or gradient norm is NaN or infinite, over the whole
-    run (resumes included; their updates are never applied). 0: the first one stops the run,
-    naming the step and the last good checkpoint."""
-    inject_nonfinite: Optional[str] = None
-    """Testing aid (fault injection): steps, numbered as logged, whose loss is made NaN on rank 0,
-    e.g. ``3,5``."""
-    allow_data_change: bool = False
-    """Resume even if the data differs from the checkpoint's record (tokenizer, token counts,
-    files, blend weights): a warning shows both, and later checkpoints record the new data."""
+    """One run's training settings. Field names are the keys of a preset's ``train:`` section
+    and of the run records; ``aoe_megatron.train.flags`` spells them on the command line."""
+
+    # --- model
+    preset: str = setting(None, MODEL, "model preset: a name (tiny, 732m, 4b, aoe_732m, "
+                          "moe_732m, ...: see the package's presets) or a YAML path; its model: "
+                          "section is the model, its train: section the defaults of these flags")
+    arch: Optional[str] = setting(None, MODEL, "override the preset's architecture: aoe (norm-"
+                                  "based selection) or moe (megatron-core's routed MoE)")
+    model_overrides: tuple = setting((), MODEL, "a model setting over the preset's, as KEY=VALUE "
+                                     "(num_layers=4, aoe.d_low=128); repeatable", flag="--set")
+    # --- parallelism
+    tensor_model_parallel_size: int = setting(1, PARALLEL, "tensor-parallel size; only 1 for now "
+                                              "(AoE layers are expert- and data-parallel)",
+                                              megatron="--tensor-model-parallel-size")
+    pipeline_model_parallel_size: int = setting(1, PARALLEL, "pipeline-parallel size; only 1 for "
+                                                "now", megatron="--pipeline-model-parallel-size")
+    expert_parallel_size: int = setting(1, PARALLEL, "expert-parallel size: processes that share "
+                                        "one copy of the experts, each holding num_experts/EP of "
+                                        "them; divides the processes",
+                                        megatron="--expert-model-parallel-size",
+                                        old=("--expert-parallel-size",))
+    zero_stage: int = setting(1, PARALLEL, "DeepSpeed ZeRO stage 1, 2 or 3 (optimizer state, + "
+                              "gradients, + weights partitioned over data-parallel ranks); 3 only "
+                              "with EP=1")
+    distributed_timeout_minutes: float = setting(
+        10.0, PARALLEL, "minutes a collective may wait for a peer before the run fails instead of "
+        "hanging (a dead peer is noticed at once)", megatron="--distributed-timeout-minutes")
+    # --- training
+    micro_batch_size: int = setting(1, TRAINING, "sequences per forward/backward pass on one "
+                                    "process", megatron="--micro-batch-size")
+    global_batch_size: int = setting(8, TRAINING, "sequences per optimizer step over all data-"
+                                     "parallel processes (the rest is gradient accumulation)",
+                                     megatron="--global-batch-size")
+    train_steps: Optional[int] = setting(None, TRAINING, "optimizer steps to train for (give this "
+                                         "or --train-tokens)", megatron="--train-iters",
+                                         old=("--train-steps",))
+    train_tokens: Optional[int] = setting(None, TRAINING, "tokens to train on instead of "
+                                          "--train-iters: steps = ceil(tokens / (global batch x "
+                                          "sequence length))")
+    weight_decay: float = setting(0.1, TRAINING, "AdamW weight decay", megatron="--weight-decay")
+    adam_beta1: float = setting(0.9, TRAINING, "Adam beta1", megatron="--adam-beta1")
+    adam_beta2: float = setting(0.95, TRAINING, "Adam beta2", megatron="--adam-beta2")
+    clip_grad: float = setting(1.0, TRAINING, "clip the global gradient norm to this (0: no "
+                               "clipping)", megatron="--clip-grad")
+    seed: int = setting(1234, TRAINING, "random seed of the weights and the data order",
+                        megatron="--seed")
+    precision: str = setting("auto", TRAINING, "weights and activations: bf16 or fp32; auto: bf16 "
+                             "on CUDA, fp32 on the CPU (the optimizer keeps fp32 master weights "
+                             "and Adam state either way); --bf16 is short for --precision bf16")
+    grad_accum_dtype: str = setting("fp32", TRAINING, "bf16 runs: dtype in which gradients are "
+                                    "accumulated over micro-batches and reduced across processes "
+                                    "(fp32 as Megatron-LM; bf16 halves that memory and traffic "
+                                    "but rounds away small gradients)")
+    recompute: bool = setting(False, TRAINING, "recompute each MoE layer's activations in backward "
+                              "(less memory, about one more forward of the layer)",
+                              megatron="--moe-layer-recompute", old=("--recompute",))
+    # --- learning rate
+    lr: float = setting(2e-4, LR, "peak learning rate", megatron="--lr")
+    min_lr: float = setting(1.28e-5, LR, "learning rate at the end of the cosine decay",
+                            megatron="--min-lr")
+    warmup_steps: int = setting(4800, LR, "steps of linear warm-up to --lr",
+                                megatron="--lr-warmup-iters", old=("--warmup-steps",))
+    # --- checkpointing
+    save: Optional[str] = setting(None, CKPT, "write checkpoints into this folder (--keep-last "
+                                  "prunes here); without --load the run starts from scratch and "
+                                  "refuses a folder that already holds a checkpoint",
+                                  megatron="--save")
+    load: Optional[str] = setting(None, CKPT, "resume from the newest checkpoint in this folder "
+                                  "that verifies (older ones are tried when the newest is "
+                                  "damaged); a folder without one starts from scratch",
+                                  megatron="--load")
+    ckpt_dir: Optional[str] = setting(None, CKPT, "--save and --load in one: rerunning the same "
+                                      "command resumes (the Slurm template's requeue)")
+    save_interval: int = setting(0, CKPT, "steps between checkpoints; 0: only at the end and on "
+                                 "SIGTERM/SIGUSR1", megatron="--save-interval")
+    keep_last: int = setting(0, CKPT, "keep only the N newest checkpoints in the --save folder (0: "
+                             "all); the one `latest` names and the newest verified one are never "
+                             "deleted")
+    load_weights: Optional[str] = setting(None, CKPT, "start from this checkpoint's model weights "
+                                          "(saved at any EP size) with a fresh optimizer and "
+                                          "schedule; ignored when --load finds a checkpoint")
+    # --- data
+    data: Optional[str] = setting(None, DATA, "data config YAML (blend of preprocessed prefixes "
+                                  "and the train/valid/test split); required unless --mock-data",
+                                  megatron="--data-path", old=("--data",))
+    mock_data: bool = setting(False, DATA, "train on random tokens instead of --data-path (smoke "
+                              "and debugging runs)", megatron="--mock-data")
+    tokenizer_model: Optional[str] = setting(None, DATA, "if given, the data must have been "
+                                             "tokenized with this sentencepiece file (its sha256 "
+                                             "is checked)", megatron="--tokenizer-model")
+    allow_data_change: bool = setting(False, DATA, "resume even if the data differs from the "
+                                      "checkpoint's record; a warning shows both, and later "
+                                      "checkpoints record the new data")
+    # --- logging
+    log_interval: int = setting(1, LOGGING, "steps between training log lines and TensorBoard "
+                                "points (selection statistics are computed on these steps only)",
+                                megatron="--log-interval")
+    eval_interval: int = setting(100, LOGGING, "steps between validation-loss evaluations (0: "
+                                 "none)", megatron="--eval-interval")
+    eval_iters: int = setting(4, LOGGING, "global batches per validation-loss evaluation",
+                              megatron="--eval-iters")
+    run_dir: str = setting("runs/default", LOGGING, "folder for TensorBoard logs, metrics.jsonl, "
+                           "the resolved config and the run's record")
+    # --- faults
+    skip_nonfinite: int = setting(0, FAULTS, "skip at most this many steps whose loss or gradient "
+                                  "norm is NaN or infinite, over the whole run (resumes included); "
+                                  "0: the first one stops the run, naming the last good checkpoint")
+    inject_nonfinite: Optional[str] = setting(None, FAULTS, "testing aid: steps (as logged, e.g. "
+                                              "3,5) whose loss is made NaN on rank 0")
 
     def bf16(self) -> bool:
         """Whether the run computes in bf16 (``precision``, auto: where CUDA is)."""
@@ -96,6 +152,14 @@ class TrainConfig:
         if self.train_steps is not None:
             return self.train_steps
         return -(-self.train_tokens // (self.global_batch_size * seq_length))
+
+    def save_dir(self) -> Optional[str]:
+        """Where checkpoints are written (``--save``, else ``--ckpt-dir``)."""
+        return self.save or self.ckpt_dir
+
+    def load_dir(self) -> Optional[str]:
+        """Where the run resumes from (``--load``, else ``--ckpt-dir``)."""
+        return self.load or self.ckpt_dir
 
     def grad_accum(self, data_parallel_size: int) -> int:
         return self.global_batch_size // (self.micro_batch_size * data_parallel_size)
@@ -123,51 +187,6 @@ def parse_overrides(items) -> dict:
             node = node.setdefault(part, {})
         node[leaf] = yaml.safe_load(value)
     return out
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m aoe_megatron.train",
-        description="Pretrain an AoE or MoE GPT model (launch with torchrun, srun or deepspeed).",
-    )
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name == "preset":
-            ap.add_argument(flag, required=True)
-        elif f.name == "model_overrides":
-            ap.add_argument("--set", dest="model_overrides", action="append", default=None,
-                            metavar="KEY=VALUE", help="model setting over the preset's (repeatable)")
-        elif f.type in ("bool", bool):
-            ap.add_argument(flag, action="store_true", default=None)
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-            ap.add_argument(flag, type=kind, default=None)
-    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
-    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    return ap
-
-
-def parse_train_args(argv=None) -> TrainConfig:
-    """CLI flags over the preset's ``train:`` section over the dataclass defaults."""
-    return parse_with_preset(argv)[0]
-
-
-def parse_with_preset(argv=None) -> tuple:
-    """(TrainConfig, the preset as read): the preset file is read here, once per launch."""
-    args = {k: v for k, v in vars(_parser().parse_args(argv)).items() if v is not None}
-    args.pop("local_rank", None)
-    preset = preset_dict(args["preset"])
-    train_section = preset.get("train", {}) or {}
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = set(train_section) - known
-    if unknown:
-        raise ValueError(f"unknown train settings {sorted(unknown)} in preset {args['preset']!r}")
-    if "model_overrides" in args:
-        args["model_overrides"] = tuple(args["model_overrides"])
-    # The run's length is one setting: a length on the command line replaces the preset's.
-    if {"train_steps", "train_tokens"} & set(args):
-        train_section = {k: v for k, v in train_section.items() if k not in ("train_steps", "train_tokens")}
-    return TrainConfig(**{**train_section, **args}), preset
 
 
 def adopt_slurm_env() -> None:

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-DEEPSPEED_CONFIGS = Path(__file__).resolve().parents[2] / "run" / "deepspeed"
+from aoe_megatron.runtime import resources
+
+DEEPSPEED_CONFIGS = resources.path("deepspeed")
 
 
 def import_deepspeed():

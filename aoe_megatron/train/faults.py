@@ -133,7 +133,7 @@ class NonFinitePolicy:
 
     def _last_good(self) -> str:
         if not self.ckpt_dir:
-            return "No checkpoint is written without --ckpt-dir."
+            return "No checkpoint is written without --save (or --ckpt-dir)."
         from aoe_megatron.train.checkpoint import latest_checkpoint
 
         try:

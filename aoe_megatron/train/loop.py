@@ -1,8 +1,7 @@
-"""The pretraining loop: ``python -m aoe_megatron.train --preset tiny --train-steps 100 ...``.
-
-Launch with torchrun / srun / the deepspeed launcher (one process per GPU, or per CPU slot).
-Data parallel x expert parallel; restarting the same command resumes from ``--ckpt-dir``'s latest
-checkpoint; SIGTERM or SIGUSR1 (Slurm's warnings before preemption or the time limit) saves a
+"""The pretraining loop: ``aoe-train --preset tiny --train-iters 100 ...`` (one process), or
+``torchrun --nproc-per-node N -m aoe_megatron.train ...`` / srun / the deepspeed launcher (one
+process per GPU, or per CPU slot). Data parallel x expert parallel; with ``--load`` (or
+``--ckpt-dir``) restarting the same command resumes from the newest checkpoint that verifies; SIGTERM or SIGUSR1 (Slurm's warnings before preemption or the time limit) saves a
 checkpoint and exits.
 """
 
@@ -139,10 +138,10 @@ class EndOfStep:
         from aoe_megatron.train import checkpoint as ckpt
 
         parts, cfg = self.parts, self.cfg
-        if not cfg.ckpt_dir:
+        if not cfg.save_dir():
             return
         stats, began = {}, time.perf_counter()
-        path = ckpt.save_checkpoint(cfg.ckpt_dir, step=step, engine=parts.engine,
+        path = ckpt.save_checkpoint(cfg.save_dir(), step=step, engine=parts.engine,
                                     model=parts.model, scheduler=parts.scheduler,
                                     consumed_samples=step * cfg.global_batch_size,
                                     layout=parts.layout, config=self.run.record(),
@@ -187,17 +186,16 @@ def train(run) -> dict:
     if rank == 0:
         print(f"run directory: {run_dir.resolve()} (config.json, run.json, TensorBoard: "
               f"tensorboard --logdir {run_dir})", flush=True)
-        if cfg.ckpt_dir:
-            print(f"checkpoints: {Path(cfg.ckpt_dir).resolve()} (restart the same command to resume)",
-                  flush=True)
+        if cfg.save_dir():
+            resumes = cfg.load_dir() == cfg.save_dir()
+            print(f"checkpoints: {Path(cfg.save_dir()).resolve()} ("
+                  + ("restart the same command to resume" if resumes else
+                     f"resume with --load {cfg.save_dir()}") + ")", flush=True)
     return {"losses": end.losses, "valid_losses": end.valid_losses, "stopped": end.stopped,
             "start": parts.start, "nonfinite_skipped": parts.nonfinite.skipped_steps}
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.runtime.compat import fallback_note, quiet_cpu_fallback_warnings
-
-    quiet_cpu_fallback_warnings()
     adopt_slurm_env()  # a bare srun: RANK / WORLD_SIZE / LOCAL_RANK from Slurm's variables
     try:
         run = parse_run(argv)  # read and validated once, before any process group starts
@@ -208,8 +206,6 @@ def main(argv=None) -> int:
     from aoe_megatron.train.config import adopt_single_process_env
 
     adopt_single_process_env()
-    if (note := fallback_note()) is not None:  # once per process, for the warnings it replaces
-        print(f"[rank {os.environ.get('RANK', '0')}] {note}", flush=True)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     try:
         if rank0:

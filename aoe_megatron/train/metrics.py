@@ -1,5 +1,5 @@
 """What a training step reports: AoE selection statistics per layer, TensorBoard, console, and
-``metrics.jsonl`` in the run directory (one JSON object a line, for analysis tools: tools/study.py).
+``metrics.jsonl`` in the run directory (one JSON object a line, for analysis tools: aoe-study).
 
 metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux_loss", "layers":
 {layer: {"ent_load", "ent_conf", "load": [f_i]}}}`` and ``{"kind": "valid", "step", "loss"}``.

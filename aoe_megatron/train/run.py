@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from aoe_megatron.models.gpt import ModelConfig, model_of_preset, preset_dict
-from aoe_megatron.train.config import TrainConfig, parse_with_preset, world_size_from_env
+from aoe_megatron.train.config import TrainConfig, world_size_from_env
+from aoe_megatron.train.flags import parse_with_preset
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,10 @@ def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
     if beyond:
         raise ValueError(f"--inject-nonfinite step {beyond[0]} is beyond the run's {steps} steps")
     if cfg.data is None and not cfg.mock_data:
-        raise ValueError("no --data: give a data config (run/data-*.yaml), or --mock-data to "
+        raise ValueError("no --data-path: give a data config (run/data-*.yaml), or --mock-data to "
                          "train on random tokens (smoke and debugging runs only)")
     if cfg.data is not None and cfg.mock_data:
-        raise ValueError("--data and --mock-data exclude each other")
+        raise ValueError("--data-path and --mock-data exclude each other")
     data, manifests = _read_data(cfg, model)
     return Run(cfg=cfg, model=model, world_size=world, steps=steps, data=data,
                manifests=manifests)
@@ -92,7 +93,7 @@ def _check_settings(cfg: TrainConfig) -> None:
         if getattr(cfg, name) <= 0:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
     if (cfg.train_steps is None) == (cfg.train_tokens is None):
-        raise ValueError("give exactly one of --train-steps and --train-tokens")
+        raise ValueError("give exactly one of --train-iters and --train-tokens")
     if cfg.keep_last < 0:
         raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got "
                          f"{cfg.keep_last}")
@@ -103,9 +104,26 @@ def _check_settings(cfg: TrainConfig) -> None:
     if not cfg.distributed_timeout_minutes > 0:
         raise ValueError(f"--distributed-timeout-minutes must be positive, got "
                          f"{cfg.distributed_timeout_minutes}")
+    _check_checkpoint_folders(cfg)
     if cfg.load_weights is not None and not os.path.isdir(os.path.join(cfg.load_weights, "model")):
         raise ValueError(f"--load-weights {cfg.load_weights} is not a checkpoint directory "
                          f"(it has no model/ folder)")
+
+
+def _check_checkpoint_folders(cfg: TrainConfig) -> None:
+    """--save/--load as in Megatron-LM, --ckpt-dir for both; a run that would start from scratch
+    in a folder of checkpoints is refused rather than write over them."""
+    from aoe_megatron.train.checkpoint import checkpoints
+
+    if cfg.ckpt_dir and (cfg.save or cfg.load):
+        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir} means both --save and --load: give either "
+                         f"--ckpt-dir or --save/--load")
+    save = cfg.save_dir()
+    if save and not cfg.load_dir() and os.path.isdir(save) and (found := checkpoints(save)):
+        raise ValueError(f"--save {save} already holds checkpoints (newest {found[-1].name}) and "
+                         f"no --load was given, so this run would start from scratch and write "
+                         f"over them: add --load {save} to resume from it, or choose an empty "
+                         f"folder")
 
 
 def _check_layout(cfg: TrainConfig, model: ModelConfig, world: int) -> None:

@@ -77,7 +77,7 @@ def set_up(run: Run, *, rank: int) -> Parts:
     parts = Parts(
         run=run, rank=rank, model=model, engine=engine, scheduler=scheduler,
         batches=Batches(run, dp_rank, dp_size),
-        nonfinite=NonFinitePolicy(limit=cfg.skip_nonfinite, ckpt_dir=cfg.ckpt_dir,
+        nonfinite=NonFinitePolicy(limit=cfg.skip_nonfinite, ckpt_dir=cfg.save_dir(),
                                   inject=parse_steps(cfg.inject_nonfinite)),
         layout={"world_size": world, "expert_parallel_size": cfg.expert_parallel_size,
                 "zero_stage": cfg.zero_stage},
@@ -94,17 +94,18 @@ def _say(parts: Parts, message: str) -> None:
 
 
 def _resume_or_initialise(parts: Parts) -> int:
-    """Resume from ``--ckpt-dir``'s newest verified checkpoint, or load ``--load-weights``;
-    returns the steps already done."""
+    """Resume from the newest verified checkpoint in ``--load`` (``--ckpt-dir``), or load
+    ``--load-weights``; returns the steps already done."""
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train import datacheck
 
     run, cfg = parts.run, parts.run.cfg
     state: Optional[dict] = None
-    if cfg.ckpt_dir:
+    if cfg.save_dir():
         ckpt.start_writer()  # before any stop signal can reach it
+    if cfg.load_dir():
         state = ckpt.resume(
-            cfg.ckpt_dir, engine=parts.engine, model=parts.model, scheduler=parts.scheduler,
+            cfg.load_dir(), mark_verified=cfg.load_dir() == cfg.save_dir(), engine=parts.engine, model=parts.model, scheduler=parts.scheduler,
             layout=parts.layout, config=run.record(), seed=cfg.seed,
             log=lambda msg: print(msg, flush=True),
             before_load=lambda saved: datacheck.check_resume(

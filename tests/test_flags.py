@@ -1,0 +1,114 @@
+"""The train command's flags (issue #23): Megatron-LM's names from one schema, help on every
+flag, no abbreviations, old spellings for one release, --save/--load as in Megatron-LM."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from aoe_megatron.train import flags
+from aoe_megatron.train.loop import main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "flags.md"
+
+#: The train command's flags, frozen: a flag added, renamed or removed must change this list, the
+#: docs table (python -m aoe_megatron.train.flags) and, for a rename, keep the old spelling.
+FLAGS = [
+    "--preset", "--arch", "--set",
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+    "--expert-model-parallel-size", "--zero-stage", "--distributed-timeout-minutes",
+    "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-tokens",
+    "--weight-decay", "--adam-beta1", "--adam-beta2", "--clip-grad", "--seed", "--precision",
+    "--bf16", "--grad-accum-dtype", "--moe-layer-recompute",
+    "--lr", "--min-lr", "--lr-warmup-iters",
+    "--save", "--load", "--ckpt-dir", "--save-interval", "--keep-last", "--load-weights",
+    "--data-path", "--mock-data", "--tokenizer-model", "--allow-data-change",
+    "--log-interval", "--eval-interval", "--eval-iters", "--run-dir",
+    "--skip-nonfinite", "--inject-nonfinite",
+]
+DEPRECATED = {"--expert-parallel-size": "--expert-model-parallel-size",
+              "--train-steps": "--train-iters", "--warmup-steps": "--lr-warmup-iters",
+              "--data": "--data-path", "--recompute": "--moe-layer-recompute"}
+GROUPS = ["model", "parallelism", "training", "learning rate", "checkpointing", "data", "logging",
+          "faults"]
+
+
+def _visible(parser):
+    return [a for a in parser._actions if a.help != "==SUPPRESS==" and a.option_strings != ["-h", "--help"]]
+
+
+def test_the_flag_list_is_frozen_and_every_flag_is_explained():
+    parser = flags.parser()
+    shown = [a.option_strings[0] for a in _visible(parser)]
+    assert shown == FLAGS
+    for action in _visible(parser):
+        assert len(action.help) > 25, (action.option_strings, action.help)
+    assert [g.title for g in parser._action_groups[2:]] == GROUPS
+    text = parser.format_help()
+    for spelling in FLAGS:
+        assert spelling in text
+
+
+def test_the_docs_table_is_the_parsers():
+    text = DOCS.read_text()
+    table = text.split("tests/test_flags.py checks it -->\n", 1)[1].split("<!-- end", 1)[0]
+    assert table == flags.markdown_table(), "regenerate: python -m aoe_megatron.train.flags"
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z0-9-]+)` \| [^|]+ \| ([^|]+) \|",
+                                                         table, re.M)}
+    assert sorted(rows) == sorted(FLAGS)
+    for spelling, megatron in rows.items():  # our spelling is Megatron-LM's where it has one
+        assert megatron.strip() in ("none", f"`{spelling}`"), (spelling, megatron)
+    for old, new in DEPRECATED.items():
+        assert re.search(rf"^\| `{new}` .*`{old}` \|$", table, re.M), old
+
+
+@pytest.mark.parametrize("argv", [
+    ["--save-int", "3"],     # a prefix of --save-interval
+    ["--load-w", "ck"],      # a prefix of --load-weights
+    ["--expert-model", "2"],  # a prefix of --expert-model-parallel-size
+])
+def test_a_prefix_of_a_flag_is_refused(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        flags.parser().parse_args(["--preset", "tiny", *argv])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_save_and_load_are_not_read_as_longer_flags():
+    cfg = flags.parse_train_args(["--preset", "tiny", "--mock-data", "--train-iters", "1",
+                                  "--save", "a", "--load", "b"])
+    assert (cfg.save, cfg.load, cfg.save_dir(), cfg.load_dir()) == ("a", "b", "a", "b")
+    assert cfg.load_weights is None and cfg.save_interval == 0
+
+
+@pytest.mark.parametrize("old,new", sorted(DEPRECATED.items()))
+def test_an_old_spelling_still_works_and_says_the_new_one(old, new, capsys):
+    value = {"--recompute": [], "--data": ["run/data-shakespeare.yaml"]}.get(old, ["3"])
+    was = flags.parse_train_args(["--preset", "tiny", "--train-iters", "2", old, *value])
+    now = flags.parse_train_args(["--preset", "tiny", "--train-iters", "2", new, *value])
+    assert was == now
+    assert f"note: {old} is deprecated: use {new}" in capsys.readouterr().err
+
+
+def test_bf16_is_short_for_precision_bf16():
+    assert flags.parse_train_args(["--preset", "tiny", "--train-iters", "1", "--bf16"]).precision == "bf16"
+
+
+def test_save_alone_into_a_folder_of_checkpoints_is_refused(tmp_path, capsys):
+    """Only --save: a fresh run, so a folder that holds a checkpoint is refused (nothing written),
+    saying how to resume; --ckpt-dir with --save/--load is ambiguous. (A launch spelled only with
+    Megatron-LM's names that resumes with --load: tests/test_packaging.py, through the wheel.)"""
+    common = ["--preset", "tiny", "--mock-data", "--train-iters", "3"]
+    (tmp_path / "a" / "step_00000002").mkdir(parents=True)
+    assert main([*common, "--save", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert f"--save {tmp_path / 'a'} already holds checkpoints (newest step_00000002)" in err
+    assert f"add --load {tmp_path / 'a'} to resume from it, or choose an empty folder" in err
+    assert main([*common, "--ckpt-dir", str(tmp_path / "a"), "--save", str(tmp_path / "b")]) == 2
+    assert "give either --ckpt-dir or --save/--load" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    cfg = flags.parse_train_args([*common, "--ckpt-dir", "c"])
+    assert (cfg.save_dir(), cfg.load_dir()) == ("c", "c")
