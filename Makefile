@@ -5,7 +5,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ASSETS := assets/.fetched
 CORPUS_PREFIX := data/shakespeare_text_document
-PYTEST_ARGS ?=
+# CI reads the slowest tests from the log: the suite has a 15-minute budget on 2 cores.
+PYTEST_ARGS ?= --durations=30
 # Fetched assets (tokenizer, corpora) live in the checkout's assets/ (the package's default
 # elsewhere is ~/.cache/aoe-megatron).
 export AOE_MEGATRON_ASSETS ?= $(CURDIR)/assets

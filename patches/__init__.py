@@ -19,6 +19,7 @@ import os
 
 from . import (
     mcore_dist_ckpt_filesystem_async,
+    mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
     mcore_moe_router,
     mcore_moe_token_dispatcher,
@@ -45,6 +46,7 @@ ALL_PATCHES = (
     mcore_rotary_pos_embedding,
     mcore_transformer_utils,
     mcore_dist_ckpt_filesystem_async,
+    mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
 )
 

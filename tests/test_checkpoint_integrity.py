@@ -4,6 +4,7 @@ fallback to the newest checkpoint that verifies, and --keep-last retention."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from aoe_megatron.runtime import launch
 from aoe_megatron.train import checkpoint as ckpt
-from aoe_megatron.train import integrity
+from aoe_megatron.runtime import integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +52,51 @@ def test_damage_is_detected_and_named(tmp_path, damage, phrase):
         shard.unlink()
     problems = integrity.verify(path)
     assert len(problems) == 1 and str(shard) in problems[0] and phrase in problems[0], problems
+
+
+def test_resume_rehashes_only_files_whose_stamp_changed(tmp_path, monkeypatch):
+    """Resume's shortcut (issue #24): a file is hashed again only if its size, mtime or ctime
+    changed since it was last hashed; readers without the shortcut hash everything."""
+    monkeypatch.setattr(integrity, "THREADS", 3)  # hashed on threads: the same verdicts
+    path = _fake_checkpoint(tmp_path / "step_00000001")
+    shard = path / "model" / "__0_0.distcp"
+
+    def resume_verify(root=path, **kw):
+        stats = {}
+        return integrity.verify(root, trust_stamps=True, stats=stats, **kw), stats
+
+    problems, stats = resume_verify()
+    assert problems == [] and stats["files"] == 3 and stats["hashed"] == 0  # hashed at save
+    full = {}
+    assert integrity.verify(path, stats=full) == [] and full["hashed"] == 3
+
+    # same size, mtime put back: the ctime moved, so the corruption is hashed and caught
+    good = shard.read_bytes()
+    before = shard.stat()
+    shard.write_bytes(bytes([good[0] ^ 0xFF]) + good[1:])
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    problems, stats = resume_verify()
+    assert stats["hashed"] == 1 and len(problems) == 1 and "sha256" in problems[0], problems
+    problems, stats = resume_verify()  # a failed file is never recorded as verified
+    assert stats["hashed"] == 1 and len(problems) == 1
+
+    # repaired: hashed once more, recorded, then trusted
+    shard.write_bytes(good)
+    problems, stats = resume_verify()
+    assert problems == [] and stats["hashed"] == 1 and resume_verify()[1]["hashed"] == 0
+
+    # a copy has new stamps: hashed in full; another run's folder (record=False) is not written
+    copy = tmp_path / "copy" / path.name
+    shutil.copytree(path, copy)  # copy2 keeps the mtimes, not the ctimes
+    recorded = (copy / integrity.STAMPS).read_text()
+    for _ in range(2):
+        problems, stats = resume_verify(copy, record=False)
+        assert problems == [] and stats["hashed"] == 3
+    assert (copy / integrity.STAMPS).read_text() == recorded
+    problems, stats = resume_verify(copy)
+    assert stats["hashed"] == 3 and resume_verify(copy)[1]["hashed"] == 0
+    assert sorted(json.loads((path / "manifest.json").read_text())["files"]) == sorted(
+        json.loads((copy / integrity.STAMPS).read_text()))  # the record is not in the manifest
 
 
 def test_a_missing_or_unreadable_manifest_is_refused(tmp_path):

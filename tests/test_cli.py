@@ -30,6 +30,7 @@ COMMANDS = {
     "ablation_table": "aoe-ablation-table",
     "count_params": "aoe-count-params",
     "fetch_assets": "aoe-fetch-assets",
+    "verify_data": "aoe-verify-data",
 }
 
 

@@ -25,6 +25,7 @@ FLAGS = [
     "--bf16", "--grad-accum-dtype", "--moe-layer-recompute",
     "--lr", "--min-lr", "--lr-warmup-iters",
     "--save", "--load", "--ckpt-dir", "--save-interval", "--keep-last", "--load-weights",
+    "--no-verify",
     "--data-path", "--mock-data", "--tokenizer-model", "--allow-data-change",
     "--log-interval", "--eval-interval", "--eval-iters", "--run-dir",
     "--skip-nonfinite", "--inject-nonfinite",

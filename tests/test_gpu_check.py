@@ -64,7 +64,13 @@ def test_cpu_form_runs_every_step_and_writes_the_results(tmp_path):
     assert set(model["figures"]) == {"tiny/moe", "tiny/aoe", "tiny/aoe-loop"}
     assert all(f["tokens_per_s"] > 0 for f in model["figures"].values())
     assert model["figures"]["tiny/moe"]["tokens_per_s_vs_moe"] == 1.0
-    assert (tmp_path / "model" / "results.json").is_file()
+    bench = json.loads((tmp_path / "model" / "results.json").read_text())["model"]["models"]["tiny"]
+    assert list(bench["archs"]) == ["moe", "aoe", "aoe-loop"]  # --model-archs, in its order
+    assert all(a["peak_bytes"] is not None for a in bench["archs"].values())
+    assert bench["archs"]["aoe-loop"]["arch_overrides"] == {"aoe": {"expert_backend": "loop"}}
+    assert set(bench["ratios"]) == {"aoe", "aoe-loop"}
+    md = (tmp_path / "model" / "README.md").read_text()
+    assert "| tiny | aoe-loop | 2 x 64 x 2 |" in md and "| tiny | aoe-loop/moe |" in md
 
     layer = steps["layer"]
     assert layer["status"] == "ok", layer

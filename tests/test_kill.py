@@ -36,22 +36,39 @@ def _workers(torchrun_pid: int) -> dict:
     return ranks
 
 
-def _kill_tagged(token: str) -> None:
-    """SIGKILL what is left of the processes this test started (their environment holds token):
-    a SIGKILLed rank's own children outlive it (megatron-core's checkpoint results-queue manager,
-    spawned at the first save)."""
+def _tagged(token: str) -> list:
+    """Live processes this test started (their environment holds ``token``)."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             tagged = f"AOE_TEST_KILL={token}\0" in (entry / "environ").read_text()
-        except OSError:  # gone, or not ours
+            state = (entry / "status").read_text().split("State:")[1].split()[0]
+        except (OSError, IndexError):  # gone, or not ours
             continue
-        if tagged:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if tagged and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_tagged(token: str) -> None:
+    """SIGKILL whatever is left of the processes this test started (a failed test's)."""
+    for pid in _tagged(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _nothing_left(token: str, within_s: float = 10.0) -> list:
+    """The test's processes still alive ``within_s`` seconds after its job ended (none: the
+    checkpoint writer's helpers die with their rank, patches/mcore_dist_ckpt_results_queue.py)."""
+    deadline = time.monotonic() + within_s
+    while (left := _tagged(token)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:120])
+            for pid in left if Path(f"/proc/{pid}").exists()]
 
 
 def _log_until(path: Path, proc, phrase: str, timeout: float) -> None:
@@ -86,10 +103,12 @@ def test_sigkill_of_one_rank_fails_fast_and_the_restart_matches_the_uninterrupte
             killed_at = time.monotonic()
             proc.wait(timeout=120)
             exit_s = time.monotonic() - killed_at
+        left = _nothing_left(token)
     finally:
         if proc.poll() is None:
             proc.kill()
         _kill_tagged(token)
+    assert not left, f"processes of the killed job outlived it: {left}"
     text = first.read_text()
     assert proc.returncode != 0, text
     assert f"Signal 9 (SIGKILL) received by PID {victim}" in text, text

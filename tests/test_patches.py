@@ -7,6 +7,8 @@ patches applied (it must give the right answer).
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +227,56 @@ def _mappings_on_two_ranks(rank, world_size):
 @cpu_only
 def test_tensor_parallel_mappings_on_gloo():
     run_distributed(_mappings_on_two_ranks, 2)
+
+
+
+_RANK_THEN_SIGKILL = """
+import os, signal, sys
+from multiprocessing import resource_tracker
+from aoe_megatron._patches import mcore_dist_ckpt_results_queue as patch
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+if sys.argv[1] == "patched":
+    patch.apply()
+queue = filesystem_async._get_write_results_queue()
+print(queue._manager._process.pid, resource_tracker._resource_tracker._pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["unpatched", "patched"])
+def test_the_checkpoint_writers_manager_dies_with_its_rank(mode, tmp_path):
+    """A rank SIGKILLed after megatron started its results-queue Manager (spawn context): with
+    the patch the Manager and its resource tracker are gone within seconds; without it, both
+    are left behind as orphans."""
+    import subprocess
+    import sys
+    import time
+
+    out, err = tmp_path / "out", tmp_path / "err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # files: an orphan holds no pipe open
+        proc = subprocess.run([sys.executable, "-c", _RANK_THEN_SIGKILL, mode], stdout=stdout,
+                              stderr=stderr, timeout=120)
+    assert proc.returncode == -9, err.read_text()[-3000:]
+    helpers = [int(x) for x in out.read_text().split()]
+    assert len(helpers) == 2, out.read_text()
+    deadline = time.monotonic() + (10 if mode == "patched" else 2)
+    while any(map(_alive, helpers)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in helpers if _alive(pid)]
+    try:
+        if mode == "patched":
+            assert not left, f"left behind: {left}"
+        else:
+            assert left == helpers, "the unpatched Manager died anyway: is the patch still needed?"
+    finally:
+        for pid in left:
+            os.kill(pid, 9)

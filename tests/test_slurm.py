@@ -275,7 +275,7 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
     configs = []
     for directory in (run_dir, reference_dir):
         config = json.loads((directory / "config.json").read_text())
-        for key in ("ckpt_dir", "run_dir"):
+        for key in ("ckpt_dir", "run_dir", "save", "load"):  # folders: the job's own, by design
             config["train"].pop(key)
         configs.append(config)
     assert configs[0] == configs[1]
@@ -287,3 +287,36 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
         torch.tensor([resumed[s] for s in range(1, steps + 1)], dtype=torch.float64),
         torch.tensor([uninterrupted[s] for s in range(1, steps + 1)], dtype=torch.float64),
         rtol=1e-6, atol=1e-6, msg=lambda m: f"resumed run vs uninterrupted run: {m}")
+
+
+def _holding_conf(conf: str) -> list:
+    """Processes whose environment names this cluster's slurm.conf (its daemons, jobs, steps)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"SLURM_CONF={conf}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append((int(entry.name), " ".join(_cmdline(entry.name))[:120]))
+        except OSError:  # not ours to read, or it just ended
+            continue
+    return found
+
+
+def test_down_ends_what_a_failed_test_left_running(cluster, tmp_path):
+    """A test that fails mid-job leaves its job running: ``local_cluster.sh down`` ends the batch
+    script, srun, slurmstepd and the tasks with the daemons (issue #24)."""
+    conf = cluster["SLURM_CONF"]
+    sub = subprocess.run(["sbatch", "--nodes=2", f"--output={tmp_path / 'job.out'}",
+                          "--wrap", "srun sleep 600"], cwd=tmp_path, env=cluster,
+                         capture_output=True, text=True, timeout=60)
+    assert sub.returncode == 0, sub.stderr
+    deadline = time.time() + 60
+    while time.time() < deadline and not any(
+            "slurm_script" in cmd for _, cmd in _holding_conf(conf)):
+        time.sleep(0.2)
+    time.sleep(2)  # srun starts its step
+    left = _holding_conf(conf)
+    assert any("slurm_script" in cmd for _, cmd in left), left  # the batch script
+    assert any("slurmstepd" in cmd for _, cmd in left), left
+    subprocess.run([str(ROOT / "tests" / "slurm" / "local_cluster.sh"), "down",
+                    str(Path(conf).parent)], timeout=60, check=True)
+    assert _holding_conf(conf) == []

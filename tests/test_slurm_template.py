@@ -81,3 +81,24 @@ def test_unknown_device_refuses_to_start(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "DEVICE=bogus" in proc.stderr, proc.stderr
     assert calls == []
+
+
+def test_a_folder_held_by_a_live_launch_is_waited_for_then_refused(tmp_path):
+    """A requeued job waits for its predecessor's lease (train/lock.py), up to the lease
+    timeout; still held after that, the job does not start. A dead holder's lease is no hold."""
+    hold = ("import sys, time\nfrom aoe_megatron.train.lock import FolderLock\n"
+            "FolderLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(600)\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(tmp_path / "ckpt")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc, calls = _run_template(tmp_path, DEVICE="cpu", AOE_LEASE_TIMEOUT_S="1",
+                                    AOE_LEASE_HEARTBEAT_S="0.5")
+        assert proc.returncode == 2 and calls == [], proc.stdout + proc.stderr
+        assert f"{tmp_path / 'ckpt'} is held by host" in proc.stderr
+        assert f"pid {holder.pid}" in proc.stderr and "not starting" in proc.stderr
+    finally:
+        holder.kill()
+        holder.wait()
+    proc, calls = _run_template(tmp_path, DEVICE="cpu")  # its lease is left, its holder gone
+    assert proc.returncode == 0 and len(calls) == 1, proc.stdout + proc.stderr

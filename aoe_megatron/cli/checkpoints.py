@@ -49,7 +49,7 @@ def _list(root: Path) -> int:
 
 
 def _verify(root: Path) -> int:
-    from aoe_megatron.train.integrity import verify
+    from aoe_megatron.runtime.integrity import verify
 
     failed = 0
     for path in _targets(root):

@@ -6,6 +6,8 @@ AoE models load with AutoModelForCausalLM.from_pretrained(path, trust_remote_cod
 MoE checkpoints become transformers' own Mixtral (no remote code for the model). The tokenizer is
 the preprocessing tokenizer with the training data's BOS policy, read from the data manifest
 (the run's --data, recorded in the checkpoint; --data or --manifest when run elsewhere).
+The checkpoint is verified against its manifest first: a damaged one is refused (exit 2) and no
+output folder is made; --no-verify exports it anyway.
 """
 
 from __future__ import annotations
@@ -50,11 +52,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--overwrite", action="store_true",
                     help="replace an existing --output once the new one is complete instead of "
                          "refusing (default: off)")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="export without first checking the checkpoint's files against its "
+                         "manifest (sha256 of every file); a damaged checkpoint is otherwise "
+                         "refused and nothing is written (default: off)")
     return ap
 
 
 def main(argv=None) -> int:
     from aoe_megatron.hf.checkpoint_io import ConversionError
+    from aoe_megatron.runtime.integrity import CheckpointDamaged
 
     args = parser().parse_args(argv)
     from aoe_megatron.hf.convert import export_to_hf
@@ -62,8 +69,9 @@ def main(argv=None) -> int:
     try:
         export_to_hf(args.checkpoint, args.output, data=args.data, manifest=args.manifest,
                      tokenizer_model=args.tokenizer_model, dtype=args.dtype,
-                     max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite)
-    except ConversionError as exc:
+                     max_shard_bytes=_size(args.max_shard_size), overwrite=args.overwrite,
+                     verify=not args.no_verify)
+    except (ConversionError, CheckpointDamaged) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -48,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0,
                     help="seed of the validation sample order and the random draws "
                          "(default: %(default)s)")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="checkpoint: read it without first checking its files against its "
+                         "manifest; a damaged checkpoint is otherwise refused (default: off)")
     ap.add_argument("--hf", type=Path,
                     help="a Hugging Face Mixtral/OLMoE folder to probe instead of a checkpoint "
                          "(the paper's Table 1) (default: none)")
@@ -88,6 +91,8 @@ def _check(ap, args) -> None:
     for name in ("sequences", "batch_size", "max_tokens", "max_docs", "seq_length"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.no_verify and args.checkpoint is None:
+        ap.error("--no-verify applies to a CHECKPOINT only (a --hf folder has no manifest)")
     if args.checkpoint is not None and args.dtype == "auto":
         ap.error("--dtype auto applies to --hf only: use fp32 or bf16")
 
@@ -96,8 +101,8 @@ def _aoe(args) -> tuple:
     from aoe_megatron.data.blend import DataConfig, check_manifests
     from aoe_megatron.study import probe
 
-    step_dir = probe.resolve_checkpoint(args.checkpoint)
-    state = json.loads((step_dir / "state.json").read_text())
+    step_dir, state = probe.open_checkpoint(args.checkpoint, what="aoe-norm-probe",
+                                            verify=not args.no_verify)
     cfg = probe.probe_config((state.get("config") or {}).get("model") or {}, where=str(step_dir))
     if not Path(args.data).is_file():
         raise probe.ProbeError(f"data config {args.data} does not exist")
@@ -113,8 +118,8 @@ def _aoe(args) -> tuple:
                                     seed=args.seed, tokenizer_sha256=sha)
     stderr_log(f"{step_dir}: {cfg.num_layers} layers x {cfg.num_experts} experts, "
                f"{args.sequences} x {seq_length} held-out tokens")
-    result = probe.probe_checkpoint(step_dir, windows, batch_size=args.batch_size, seed=args.seed,
-                                    device=args.device, dtype=args.dtype or "fp32", log=stderr_log)
+    result = probe.probe_step(step_dir, state, windows, batch_size=args.batch_size, seed=args.seed,
+                              device=args.device, dtype=args.dtype or "fp32", log=stderr_log)
     result["data"] = str(args.data)
     if result["unique_sequences"] < result["sequences"]:
         stderr_log(f"only {result['unique_sequences']} of {result['sequences']} sequences are "

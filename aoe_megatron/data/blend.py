@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from aoe_megatron.data.integrity import check_datasets
 from aoe_megatron.data.preprocess import read_manifest
 
 DEFAULT_SPLIT = "969,30,1"
@@ -185,7 +186,9 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     cfg = data_config if isinstance(data_config, DataConfig) else DataConfig.load(data_config)
-    manifests = read_manifests(cfg.prefixes) if manifests is None else manifests
+    if manifests is None:  # a resolved run's were checked before its process group started
+        manifests = read_manifests(cfg.prefixes)
+        check_datasets(manifests)
     manifest = check_manifests(cfg.prefixes, tokenizer_sha256, manifests=manifests)
     if not manifest["policy"]["append_eod"]:
         raise ValueError("training needs documents separated by EOD: preprocess with --append-eod")

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
+from aoe_megatron.data.integrity import HashingWriter, file_record
 from aoe_megatron.data.reader import SUPPORTED_SUFFIXES, SourceFile, TruncatedStream
 from aoe_megatron.data.records import REASONS, RecordEncoder
 from aoe_megatron.data.tokenizer import Tokenizer
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: "files" (size and sha256 of the .bin and the .idx)
 EXAMPLES_PER_REASON = 5
 
 
@@ -186,6 +187,8 @@ def _run_group(cfg: PreprocessConfig, tok: Tokenizer, subset: Optional[str], fil
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(prefix)
     builders = {k: IndexedDatasetBuilder(_partial(f"{p}.bin"), dtype=dtype) for k, p in prefixes.items()}
+    for builder in builders.values():  # the .bin is hashed as it is written
+        builder.data_file = HashingWriter(builder.data_file)
     stats, sources = _Stats(), []
     progress = _Progress(cfg.log_interval, subset or Path(cfg.output_prefix).name)
     encoder = None if pool else RecordEncoder(tok, cfg.json_keys, prepend_bos=cfg.prepend_bos,
@@ -228,6 +231,8 @@ def _run_group(cfg: PreprocessConfig, tok: Tokenizer, subset: Optional[str], fil
         manifests = {}
         for key, prefix in prefixes.items():
             builders[key].finalize(_partial(f"{prefix}.idx"))
+            files = {"bin": file_record(_partial(f"{prefix}.bin"), writer=builders[key].data_file),
+                     "idx": file_record(_partial(f"{prefix}.idx"))}  # the small .idx: read back
             manifest = {
                 "format": "aoe-megatron-preprocess",
                 "version": MANIFEST_VERSION,
@@ -243,6 +248,7 @@ def _run_group(cfg: PreprocessConfig, tok: Tokenizer, subset: Optional[str], fil
                 "rejected": {r: stats.rejected.get(r, 0) for r in REASONS},
                 "rejected_examples": stats.examples,
                 "sources": sources,
+                "files": files,
             }
             _publish(prefix, manifest)
             manifests[key] = manifest

@@ -22,7 +22,9 @@ from typing import Callable, Optional
 
 import torch
 
-from aoe_megatron.hf.checkpoint_io import CheckpointReader, ConversionError, SafetensorsWriter
+from aoe_megatron.hf.checkpoint_io import (CheckpointReader, ConversionError, SafetensorsWriter,
+                                           resolve_checkpoint)
+from aoe_megatron.runtime import integrity
 
 HF_DIR = Path(__file__).resolve().parent
 REMOTE_CODE = ("configuration_aoe.py", "modeling_aoe.py")
@@ -351,9 +353,13 @@ def _check_against_hf_model(config, entries, source: Path) -> None:
 
 def export_to_hf(checkpoint, out, *, data=None, manifest=None, tokenizer_model=None,
                  dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30,
-                 overwrite: bool = False, log: Callable = print) -> Path:
-    """Convert a training checkpoint (any EP size) into a Hugging Face folder ``out``."""
-    reader = CheckpointReader(checkpoint)
+                 overwrite: bool = False, verify: bool = True, log: Callable = print) -> Path:
+    """Convert a training checkpoint (any EP size) into a Hugging Face folder ``out``. The
+    checkpoint is verified first (``integrity.require_verified``; ``verify=False`` skips it): a
+    damaged one raises ``integrity.CheckpointDamaged`` and nothing is written."""
+    path = resolve_checkpoint(checkpoint)
+    integrity.require_verified(path, verify=verify, what="aoe-convert-to-hf", log=log)
+    reader = CheckpointReader(path)
     state = reader.state
     cfg = _model_config(state.get("config", {}).get("model", {}))
     _check_exportable(cfg)
@@ -528,6 +534,7 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
                  "config": {"model": asdict(cfg), "train": {"imported_from": str(folder.resolve())}},
                  "weights_only": True}
         (step_dir / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        integrity.write_manifest(step_dir)  # last, as a training checkpoint's: its readers verify
     if log:
         log(f"wrote {out / step_dir.name}: continue pretraining with --load-weights {out / step_dir.name}")
     return out / step_dir.name

@@ -1,8 +1,11 @@
-"""Checkpoints and held-out tokens for the study's tools (the norm probe, the evaluation): find a
-checkpoint, load its model on one rank at EP=1, read validation windows from a data config."""
+"""Checkpoints and held-out tokens for the study's tools (the norm probe, the evaluation): find and
+verify a checkpoint, load its model on one rank at EP=1, read validation windows from a data
+config."""
 
 from __future__ import annotations
 
+import json
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -33,7 +36,20 @@ def resolve_checkpoint(path) -> Path:
     return latest
 
 
+def open_checkpoint(path, *, what: str, verify: bool = True) -> tuple:
+    """(step_dir, state) of a checkpoint or ckpt dir (its latest), verified before anything of it
+    is read: ``integrity.CheckpointDamaged`` (a ValueError: the tools exit 2) names each damaged
+    file; ``verify=False`` (--no-verify) reads it unchecked, with a warning on stderr."""
+    from aoe_megatron.runtime.integrity import require_verified
+
+    step_dir = resolve_checkpoint(path)
+    require_verified(step_dir, verify=verify, what=what,
+                     log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    return step_dir, json.loads((step_dir / "state.json").read_text())
+
+
 def load_model(step_dir: Path, cfg, *, device=None, dtype: str = "fp32"):
+    """The model of ``step_dir`` (opened with ``open_checkpoint``: this does not verify)."""
     from aoe_megatron.models.gpt import build_gpt_model, transformer_config
     from aoe_megatron.train.checkpoint import load_model_weights
 

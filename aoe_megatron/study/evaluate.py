@@ -26,16 +26,16 @@ from aoe_megatron.study import checkpoints
 DEFAULT_EVAL = {"sequences": 256, "batch_size": 8, "seed": 0}
 
 
-def load_model(ckpt) -> tuple:
-    """(model, state) from a checkpoint (or a ckpt dir: its latest), at EP=1 on this process, in a
-    one-rank megatron world (started here if none is up)."""
+def load_model(ckpt, *, verify: bool = True) -> tuple:
+    """(model, state) from a checkpoint (or a ckpt dir: its latest), verified first unless not
+    ``verify`` (``checkpoints.open_checkpoint``), at EP=1 on this process, in a one-rank megatron
+    world (started here if none is up)."""
     import torch.distributed as dist
 
     from aoe_megatron.runtime.distributed import free_port, init_megatron
     from aoe_megatron.models.gpt import ModelConfig
 
-    path = checkpoints.resolve_checkpoint(ckpt)
-    state = json.loads((path / "state.json").read_text())
+    path, state = checkpoints.open_checkpoint(ckpt, what="the evaluation", verify=verify)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -79,8 +79,8 @@ def heldout_metrics(model, windows: torch.Tensor, *, batch_size: int, arch: str)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count, "layers": out_layers}
 
 
-def evaluate(ckpt, data: str, settings: dict) -> dict:
-    model, state = load_model(ckpt)
+def evaluate(ckpt, data: str, settings: dict, *, verify: bool = True) -> dict:
+    model, state = load_model(ckpt, verify=verify)
     cfg = state["config"]["model"]
     ev = {**DEFAULT_EVAL, **(settings.get("evaluation") or {})}
     windows = checkpoints.heldout_windows(data, seq_length=cfg["seq_length"],
@@ -92,11 +92,11 @@ def evaluate(ckpt, data: str, settings: dict) -> dict:
           f"{result['heldout']['tokens']} tokens", flush=True)
     probe = settings.get("probe")
     if probe:
-        from aoe_megatron.study.probe import probe_checkpoint
+        from aoe_megatron.study.probe import probe_step
 
-        n = int(probe.get("sequences", 32))
-        result["probe"] = probe_checkpoint(state["path"], windows[:n],
-                                           batch_size=int(probe.get("batch_size", ev["batch_size"])))
+        n = int(probe.get("sequences", 32))  # the checkpoint verified above, not hashed again
+        result["probe"] = probe_step(state["path"], state, windows[:n],
+                                     batch_size=int(probe.get("batch_size", ev["batch_size"])))
         print("probe: done", flush=True)
     return result
 
@@ -109,11 +109,15 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, help="data config whose validation split is used")
     ap.add_argument("--output", required=True, type=Path, help="JSON file to write")
     ap.add_argument("--settings", default="{}", help="JSON: {evaluation: {...}, probe: {...}}")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="read the checkpoint without first checking its files against its "
+                         "manifest; a damaged checkpoint is otherwise refused, exit 2 (default: "
+                         "off)")
     args = ap.parse_args(argv)
     quiet_cpu_fallback_warnings()
     try:
         settings = json.loads(args.settings)
-        result = evaluate(args.checkpoint, args.data, settings)
+        result = evaluate(args.checkpoint, args.data, settings, verify=not args.no_verify)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

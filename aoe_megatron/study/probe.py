@@ -18,8 +18,8 @@ Shape suffixes: N tokens, E experts, B sequences, S positions, D d_model.
 
 from __future__ import annotations
 
-import json
 import math
+from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
@@ -30,6 +30,7 @@ from aoe_megatron.study.checkpoints import (  # noqa: F401 (the probe's public h
     heldout_windows,
     load_model,
     megatron_world,
+    open_checkpoint,
     resolve_checkpoint,
 )
 
@@ -224,11 +225,19 @@ def probe_config(raw: dict, where=""):
 
 
 def probe_checkpoint(ckpt, windows: torch.Tensor, *, batch_size: int = 8, seed: int = 0,
-                     device=None, dtype: str = "fp32", log=None) -> dict:
+                     device=None, dtype: str = "fp32", log=None, verify: bool = True) -> dict:
     """The forced-expert probe of an AoE checkpoint (or ckpt dir: its latest) on held-out windows
-    [N, S + 1]; JSON-serialisable, one entry per layer (see ``layer_metrics``)."""
-    step_dir = resolve_checkpoint(ckpt)
-    state = json.loads((step_dir / "state.json").read_text())
+    [N, S + 1], verified first (``open_checkpoint``; ``verify=False`` skips it): ``probe_step``."""
+    step_dir, state = open_checkpoint(ckpt, what="the norm probe", verify=verify)
+    return probe_step(step_dir, state, windows, batch_size=batch_size, seed=seed, device=device,
+                      dtype=dtype, log=log)
+
+
+def probe_step(step_dir, state: dict, windows: torch.Tensor, *, batch_size: int = 8,
+               seed: int = 0, device=None, dtype: str = "fp32", log=None) -> dict:
+    """The probe of a checkpoint opened (and verified) by ``open_checkpoint``; JSON-serialisable,
+    one entry per layer (see ``layer_metrics``)."""
+    step_dir = Path(step_dir)
     if "model" not in (state.get("config") or {}):
         raise ProbeError(f"{step_dir}/state.json records no model configuration")
     cfg = probe_config(state["config"]["model"], where=str(step_dir))

@@ -28,7 +28,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from aoe_megatron.train import integrity, optim_state
+from aoe_megatron.runtime import integrity
+from aoe_megatron.train import optim_state
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.host_memory import PeakHostMemory
 
@@ -226,7 +227,10 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
     say = log if rank == 0 else (lambda *_: None)
     tried = []
     for path in _candidates(ckpt_dir, say):
-        problems = integrity.verify(path) if path.is_dir() else [f"{path} does not exist"]
+        stats = {}
+        problems = (integrity.verify(path, trust_stamps=True, record=mark_verified,
+                                     stats=stats) if path.is_dir()
+                    else [f"{path} does not exist"])
         if problems and (path / "optim_rank0.pt").is_file():  # format 1: no manifest to check
             problems = []
         if problems:
@@ -234,6 +238,12 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
                 + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
             tried.append(path.name)
             continue
+        if stats.get("files"):
+            unchanged = stats["files"] - stats["hashed"]
+            say(f"verified {path}: {stats['files']} files, {stats['hashed']} hashed "
+                f"({stats['bytes_hashed'] / 1e9:.2f} GB) in {stats['seconds']:.2f} s"
+                + (f"; {unchanged} unchanged since last verified (size, mtime, ctime)"
+                   if unchanged else ""))
         if tried:
             say(f"falling back to {path} (newest checkpoint that verifies; skipped "
                 f"{', '.join(tried)})")
@@ -291,7 +301,8 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
 
 
 def load_model_weights(path, model) -> None:
-    """Model weights only, at any expert-parallel size."""
+    """Model weights only, at any expert-parallel size. Does not verify ``path``: its readers do
+    first (``integrity.require_verified``), each with its own --no-verify."""
     from megatron.core import dist_checkpointing
 
     loaded = dist_checkpointing.load(model.sharded_state_dict(), str(Path(path) / "model"))

@@ -110,6 +110,9 @@ class TrainConfig:
     load_weights: Optional[str] = setting(None, CKPT, "start from this checkpoint's model weights "
                                           "(saved at any EP size) with a fresh optimizer and "
                                           "schedule; ignored when --load finds a checkpoint")
+    no_verify: bool = setting(False, CKPT, "read the --load-weights checkpoint without checking "
+                              "its files against its manifest (a warning says so); resuming "
+                              "with --load always verifies")
     # --- data
     data: Optional[str] = setting(None, DATA, "data config YAML (blend of preprocessed prefixes "
                                   "and the train/valid/test split); required unless --mock-data",

@@ -32,6 +32,8 @@ EXIT_OK = 0
 (``finished.json``, which the Slurm template checks before it requeues). A stop is not an error:
 torchrun would report a worker's non-zero exit as a crash, and restart it where allowed."""
 EXIT_HALTED = 3
+EXIT_FOLDER_HELD = 4
+"""Another launch holds the --save folder (``train/lock.py``); nothing was written."""
 
 
 class _StopFlag:
@@ -207,6 +209,17 @@ def main(argv=None) -> int:
 
     adopt_single_process_env()
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    held = None
+    if rank0 and run.cfg.save_dir():  # one writer per checkpoint folder, before anything is written
+        from aoe_megatron.train.lock import FolderHeld, FolderLock
+
+        try:
+            held = FolderLock(run.cfg.save_dir(), run_dir=run.cfg.run_dir,
+                              say=lambda m: print(m, file=sys.stderr, flush=True)).acquire()
+        except FolderHeld as err:
+            print(f"error: {err}. This launch wrote nothing; wait for that one to end, or save "
+                  f"elsewhere.", file=sys.stderr, flush=True)
+            return EXIT_FOLDER_HELD
     try:
         if rank0:
             clear_halt_record(run.cfg.run_dir)
@@ -220,6 +233,8 @@ def main(argv=None) -> int:
         return EXIT_HALTED
     finally:
         shutdown()
+        if held is not None:
+            held.release()
     return EXIT_OK
 
 

@@ -8,6 +8,7 @@ dataset's manifest once; ``resolve(cfg)`` does the same for settings built in co
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -144,15 +145,22 @@ def _check_layout(cfg: TrainConfig, model: ModelConfig, world: int) -> None:
                          f"{cfg.micro_batch_size} x {world} data-parallel processes")
 
 
+def _on_rank0(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
 def _read_data(cfg: TrainConfig, model: ModelConfig) -> tuple:
     """(DataConfig, {prefix: manifest}), each file read once; (None, {}) for mock data."""
     if cfg.data is None:
         return None, {}
     from aoe_megatron.data.blend import DataConfig, check_manifests, read_manifests
+    from aoe_megatron.data.integrity import check_datasets
     from aoe_megatron.data.tokenizer import sha256_of
 
     data = DataConfig.load(cfg.data)
     manifests = read_manifests(data.prefixes)
+    check_datasets(manifests, say=_on_rank0)  # sizes and .idx against .bin: a few bytes a file
     sha = sha256_of(cfg.tokenizer_model) if cfg.tokenizer_model else None
     first = check_manifests(data.prefixes, sha, manifests=manifests)
     if first["tokenizer"]["vocab_size"] > model.vocab_size:

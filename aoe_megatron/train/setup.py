@@ -3,11 +3,13 @@ the resume point, from a resolved run (``train/run.py``); nothing here re-reads 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from aoe_megatron.train.errors import CheckpointDamaged
 from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.run import Run
 
@@ -97,23 +99,27 @@ def _resume_or_initialise(parts: Parts) -> int:
     """Resume from the newest verified checkpoint in ``--load`` (``--ckpt-dir``), or load
     ``--load-weights``; returns the steps already done."""
     from aoe_megatron.train import checkpoint as ckpt
+    from aoe_megatron.runtime import integrity
     from aoe_megatron.train import datacheck
 
     run, cfg = parts.run, parts.run.cfg
     state: Optional[dict] = None
     if cfg.save_dir():
         ckpt.start_writer()  # before any stop signal can reach it
+    began = time.perf_counter()
     if cfg.load_dir():
         state = ckpt.resume(
-            cfg.load_dir(), mark_verified=cfg.load_dir() == cfg.save_dir(), engine=parts.engine, model=parts.model, scheduler=parts.scheduler,
-            layout=parts.layout, config=run.record(), seed=cfg.seed,
+            cfg.load_dir(), mark_verified=cfg.load_dir() == cfg.save_dir(), engine=parts.engine,
+            model=parts.model, scheduler=parts.scheduler, layout=parts.layout,
+            config=run.record(), seed=cfg.seed,
             log=lambda msg: print(msg, flush=True),
             before_load=lambda saved: datacheck.check_resume(
                 saved.get("data"), parts.data_fingerprint, checkpoint=saved["path"],
                 allow=cfg.allow_data_change, announce=parts.rank == 0))
     if state is not None:
         peak = state.get("host_peak_bytes")
-        _say(parts, f"resumed from {state['path']} at step {state['step']}"
+        _say(parts, f"resumed from {state['path']} at step {state['step']} in "
+                    f"{time.perf_counter() - began:.2f} s"
              + (f" (host memory peak +{gib(peak)} on the busiest rank)" if peak is not None
                 else ""))
         if (before := state["layout"]["world_size"]) != run.world_size:
@@ -123,6 +129,12 @@ def _resume_or_initialise(parts: Parts) -> int:
         parts.nonfinite.restore(state)
         return state["step"]
     if cfg.load_weights:
+        # collective; refuses a damaged checkpoint (exit 3, halted.json) before anything loads
+        try:
+            integrity.require_verified(cfg.load_weights, verify=not cfg.no_verify,
+                                       what="--load-weights", log=lambda msg: print(msg, flush=True))
+        except integrity.CheckpointDamaged as err:
+            raise CheckpointDamaged(str(err)) from err
         ckpt.load_model_weights(cfg.load_weights, parts.model)
         parts.engine.optimizer.refresh_fp32_params()  # the optimizer's master weights follow
         _say(parts, f"initialised the model from {cfg.load_weights}")

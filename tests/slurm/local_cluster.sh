@@ -13,6 +13,17 @@ down() {
     [ -f "$pid" ] && kill "$(cat "$pid")" 2>/dev/null || true
   done
   sleep 1
+  # What a failed test's job leaves running outlives the daemons: slurmstepd, srun, the batch
+  # script and its workers. Each holds this cluster's slurm.conf in its environment (slurmd and
+  # every job submitted to it were started with SLURM_CONF set): end them all.
+  local env pid
+  for env in /proc/[0-9]*/environ; do
+    pid=${env#/proc/}; pid=${pid%/environ}
+    [ "$pid" = $$ ] && continue
+    if tr '\0' '\n' < "$env" 2>/dev/null | grep -qxF "SLURM_CONF=$dir/slurm.conf"; then
+      kill -9 "$pid" 2>/dev/null || true
+    fi
+  done
 }
 
 if [ "$cmd" = down ]; then down; exit 0; fi
