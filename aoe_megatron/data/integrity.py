@@ -23,6 +23,8 @@ import struct
 import sys
 from typing import Callable, Optional
 
+from aoe_megatron.runtime.integrity import sha256_file
+
 #: megatron-core's index format (megatron/core/datasets/indexed_dataset.py, 0.16.1): magic,
 #: version <Q, dtype code <B, sequence count <Q, document count <Q, then int32 lengths, int64
 #: pointers and int64 document indices.
@@ -62,16 +64,6 @@ def file_record(path: str, *, writer: Optional[HashingWriter] = None) -> dict:
     if writer is not None:
         return {"size": writer.size, "sha256": writer.hexdigest()}
     return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-
-
-def sha256_file(path: str, progress: Optional[Callable[[int], None]] = None) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-            if progress is not None:
-                progress(len(block))
-    return h.hexdigest()
 
 
 def _idx_problems(prefix: str, bin_size: int, manifest: dict) -> list[str]:

@@ -49,11 +49,14 @@ class CheckpointDamaged(ValueError):
     would meet the same files)."""
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path, progress: Optional[Callable[[int], None]] = None) -> str:
+    """The file's sha256; ``progress(n)`` after each chunk of n bytes, if given."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return digest.hexdigest()
 
 

@@ -42,9 +42,10 @@ class FolderHeld(RuntimeError):
 
 def _describe(lease: dict) -> str:
     age = time.time() - float(lease.get("heartbeat", 0))
-    return (f"host {lease.get('host')} pid {lease.get('pid')} (started "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(lease.get('started', 0)))}, last "
-            f"heartbeat {age:.0f} s ago{', run ' + str(lease['run_dir']) if lease.get('run_dir') else ''})")
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease.get("started", 0)))
+    run = f", run {lease['run_dir']}" if lease.get("run_dir") else ""
+    return (f"host {lease.get('host')} pid {lease.get('pid')} (started {started}, last "
+            f"heartbeat {age:.0f} s ago{run})")
 
 
 def read_lease(folder) -> Optional[dict]:
@@ -55,15 +56,13 @@ def read_lease(folder) -> Optional[dict]:
 
 
 def _alive_here(lease: dict) -> bool:
-    """Whether the lease's holder is a live process on this host."""
-    if lease.get("host") != socket.gethostname():
-        return False
+    """Whether the lease's holder (a process of this host) is alive."""
     try:
         os.kill(int(lease["pid"]), 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 

@@ -20,7 +20,7 @@ down() {
   for env in /proc/[0-9]*/environ; do
     pid=${env#/proc/}; pid=${pid%/environ}
     [ "$pid" = $$ ] && continue
-    if tr '\0' '\n' < "$env" 2>/dev/null | grep -qxF "SLURM_CONF=$dir/slurm.conf"; then
+    if tr '\0' '\n' 2>/dev/null < "$env" | grep -qxF "SLURM_CONF=$dir/slurm.conf"; then
       kill -9 "$pid" 2>/dev/null || true
     fi
   done
