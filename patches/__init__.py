@@ -10,7 +10,8 @@ Each module here:
   - is covered by a test in ``tests/test_patches.py`` showing the patch is needed and works.
 
 CPU patches apply only when CUDA is absent; the ``te_general_gemm`` fix applies whenever
-TransformerEngine is absent (it is a NameError on GPUs too).
+TransformerEngine is absent (it is a NameError on GPUs too). DeepSpeed's patches (``deepspeed_*``)
+apply through :func:`apply_deepspeed_patches`, once DeepSpeed is imported.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 
 from . import (
+    deepspeed_comm_torch,
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
@@ -50,7 +52,12 @@ ALL_PATCHES = (
     mcore_dist_ckpt_state_dict_saver,
 )
 
+#: DeepSpeed's, applied by :func:`apply_deepspeed_patches` when DeepSpeed is imported (processes
+#: that never train do not import it).
+DEEPSPEED_PATCHES = (deepspeed_comm_torch,)
+
 _applied: list[str] | None = None
+_applied_deepspeed: list[str] | None = None
 
 
 def check_mcore_version() -> None:
@@ -79,8 +86,18 @@ def apply_patches() -> list[str]:
     return list(_applied)
 
 
+def apply_deepspeed_patches() -> list[str]:
+    """Apply DeepSpeed's patches this machine needs, once; DeepSpeed must be imported already
+    (``train.engine.import_deepspeed`` selects its accelerator first)."""
+    global _applied_deepspeed
+    if _applied_deepspeed is None:
+        _applied_deepspeed = [p.__name__.split(".")[-1] for p in DEEPSPEED_PATCHES if p.apply()]
+    return list(_applied_deepspeed)
+
+
 def revert_patches() -> None:
-    """Restore megatron-core as it was (tests use this to show each patch is needed)."""
-    global _applied
+    """Restore megatron-core and DeepSpeed as they were (tests use this to show each patch is
+    needed)."""
+    global _applied, _applied_deepspeed
     revert_all()
-    _applied = None
+    _applied = _applied_deepspeed = None

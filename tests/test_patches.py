@@ -7,6 +7,7 @@ patches applied (it must give the right answer).
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from torch.testing import assert_close
 from aoe_megatron import _patches as patches
 from aoe_megatron._patches import (
     ALL_PATCHES,
+    DEEPSPEED_PATCHES,
+    deepspeed_comm_torch,
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_state_dict_saver,
     mcore_moe_router,
@@ -57,6 +60,29 @@ def test_every_patch_module_is_registered_and_documented():
     for p in ALL_PATCHES:
         assert "0.16.1" in p.__doc__ and "Why:" in p.__doc__ and "What:" in p.__doc__, p.__name__
         __import__(p.TARGET)  # the upstream file it names exists
+    names = {m.name for m in pkgutil.iter_modules(patches.__path__) if m.name.startswith("deepspeed_")}
+    assert names == {p.__name__.split(".")[-1] for p in DEEPSPEED_PATCHES}
+    for p in DEEPSPEED_PATCHES:
+        assert "0.19.8" in p.__doc__ and "Why:" in p.__doc__ and "What:" in p.__doc__, p.__name__
+
+
+@cpu_only
+def test_deepspeed_starts_on_the_cpu_without_compiling_its_shared_memory_op(monkeypatch):
+    """Upstream JIT-compiles the op on every CPU start (about 35 s the first time on a machine);
+    patched, the backend starts without it and never builds it."""
+    from aoe_megatron.train.engine import import_deepspeed
+
+    deepspeed = import_deepspeed()
+    comm, builds = importlib.import_module(deepspeed_comm_torch.TARGET), []
+    builder = type(deepspeed.accelerator.get_accelerator().create_op_builder("ShareMemCommBuilder"))
+    monkeypatch.setattr(builder, "load", lambda self, verbose=False: builds.append(self.NAME))
+    if not deepspeed.ops.__compatible_ops__.get(builder.NAME):
+        pytest.skip("no C++ compiler here: upstream would not build the op either")
+    with without(deepspeed_comm_torch):
+        comm.build_shm_op()
+        assert builds == ["deepspeed_shm_comm"]  # upstream: a compile (here a stub)
+    assert patches.apply_deepspeed_patches() == ["deepspeed_comm_torch"]
+    assert comm.build_shm_op() is None and builds == ["deepspeed_shm_comm"]
 
 
 def test_refuses_other_megatron_versions(monkeypatch):

@@ -89,4 +89,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from aoe_megatron.runtime.exit import exit_now
+
+    exit_now(main())  # as SystemExit(main()), less a second of interpreter teardown

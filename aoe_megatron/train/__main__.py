@@ -1,3 +1,4 @@
+from aoe_megatron.runtime.exit import exit_now
 from aoe_megatron.train.loop import main
 
-raise SystemExit(main())
+exit_now(main())

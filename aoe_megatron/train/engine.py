@@ -23,10 +23,15 @@ DEEPSPEED_CONFIGS = resources.path("deepspeed")
 
 
 def import_deepspeed():
-    """DeepSpeed, with its CPU accelerator selected when CUDA is absent."""
+    """DeepSpeed, with its CPU accelerator selected when CUDA is absent, and patched
+    (``patches/deepspeed_*``)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
+
+    from aoe_megatron._patches import apply_deepspeed_patches
+
+    apply_deepspeed_patches()
 
     return deepspeed
 
