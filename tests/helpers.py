@@ -86,10 +86,12 @@ def norm_of(c, order):
 
 
 def reference_aoe(x_TD, w_down_DER, w_up, w_p, w_o, *, top_k, norm="l2",
-                  selection="topk_softmax", alpha_aux=0.0):
+                  selection="topk_softmax", alpha_aux=0.0, bias=None):
     """Algorithm 2 written plainly, one token at a time, in float64.
 
     Returns (output [T, D], L_aux). Weights are global: w_up [E, R, W], w_p [E, D, W], w_o [E, W, D].
+    ``bias`` [E] (aux-loss-free balancing): the K experts are those with the largest p_i + b_i;
+    every weight and L_aux still come from the unbiased norms p.
     """
     num_experts, d_low = w_up.shape[0], w_up.shape[1]
     num_tokens = x_TD.shape[0]
@@ -98,7 +100,7 @@ def reference_aoe(x_TD, w_down_DER, w_up, w_p, w_o, *, top_k, norm="l2",
         x = x_TD[t]
         cache = [x @ w_down_DER[:, i * d_low : (i + 1) * d_low] for i in range(num_experts)]
         p = torch.stack([norm_of(c, norm) for c in cache])
-        chosen = torch.topk(p, top_k).indices.tolist()
+        chosen = torch.topk(p if bias is None else p + bias, top_k).indices.tolist()
         p_all = torch.softmax(p, dim=0)
         if selection == "topk_softmax":
             weights = torch.softmax(p[chosen], dim=0)

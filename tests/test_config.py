@@ -9,6 +9,7 @@ import pytest
 from aoe_megatron.moe.config import (
     AOE_ONLY_FIELDS,
     MEGATRON_FIELD_MAP,
+    MODEL_FIELDS,
     AoEConfig,
     from_transformer_config,
     with_overrides,
@@ -87,8 +88,10 @@ def test_adapter_maps_every_field():
     assert (aoe.alpha_aux, aoe.dispatcher, aoe.expert_parallel_size) == (0.02, "allgather", 2)
     assert (aoe.d_low, aoe.d_wide, aoe.norm) == (12, 200, "l1")
     assert (aoe.selection, aoe.cache_mode) == ("softmax_topk", "recompute")
-    # Every AoEConfig field is either mapped from megatron or AoE-only: none is forgotten.
-    assert set(MEGATRON_FIELD_MAP) | set(AOE_ONLY_FIELDS) == {f.name for f in fields(AoEConfig)}
+    # Every AoEConfig field is mapped from megatron, a model-level setting or AoE-only: none is
+    # forgotten.
+    assert set(MEGATRON_FIELD_MAP) | set(MODEL_FIELDS) | set(AOE_ONLY_FIELDS) == {
+        f.name for f in fields(AoEConfig)}
     for ours, theirs in MEGATRON_FIELD_MAP.items():
         assert getattr(aoe, ours) == getattr(tc, theirs), ours
 

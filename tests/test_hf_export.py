@@ -306,3 +306,46 @@ def test_exported_aoe_model_runs_the_evaluation(tmp_path, trained_checkpoint):
 
     lm = HFLM(pretrained=str(hf_dir), trust_remote_code=True, device="cpu", batch_size=1)
     assert lm.tok_encode("Question: hot?")[0] == lm.tokenizer.bos_token_id == 1
+
+
+def test_aoe_expert_bias_crosses_both_ways(corpus, tmp_path, megatron_world):
+    """AoE with its norm bias (aux-loss-free balancing): a Hugging Face model with nonzero biases,
+    imported, computes the same logits in megatron-core (the bias chooses the experts on both
+    sides, never weights them) and exports back to the same tensors. The MoE expert-bias preset
+    is refused, by name, before anything is written."""
+    from safetensors.torch import load_file
+
+    from aoe_megatron.hf.configuration_aoe import AoEConfig
+    from aoe_megatron.hf.modeling_aoe import AoEForCausalLM
+
+    torch.manual_seed(0)
+    config = AoEConfig(vocab_size=32000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_experts=4, num_experts_per_tok=2, d_low=4, d_wide=24, expert_bias=True)
+    hf = AoEForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.expert_bias.copy_(torch.tensor([0.4, -0.3, 0.1, -0.2]))
+    hf.save_pretrained(tmp_path / "hf")
+    step = import_from_hf(tmp_path / "hf", tmp_path / "mc", log=None)
+    ids = torch.randint(0, 32000, (2, 16))
+    with torch.no_grad():
+        want = hf(ids).logits
+        unbiased = hf.model.layers[0].mlp.expert_bias.zero_()  # noqa: F841  (the bias matters)
+        assert (hf(ids).logits - want).abs().max() > 1e-4
+    assert (megatron_logits(megatron_model(step), ids) - want).abs().max() <= 1e-4
+
+    export_to_hf(step, tmp_path / "back", data=corpus["data"], log=None)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["expert_bias"] is True
+    before, after = load_file(tmp_path / "hf" / "model.safetensors"), load_file(
+        tmp_path / "back" / "model.safetensors")
+    assert "model.layers.1.mlp.expert_bias" in after
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, msg=key)
+
+    state = json.loads((step / "state.json").read_text())
+    state["config"]["model"].update(arch="moe", expert_bias=True, aoe={},
+                                    router={"score_function": "sigmoid"})
+    (step / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConversionError, match="no Mixtral equivalent"):
+        export_to_hf(step, tmp_path / "moe", data=corpus["data"], verify=False, log=None)
+    assert not (tmp_path / "moe").exists()

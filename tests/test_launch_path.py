@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from aoe_megatron.runtime import launch
 from tests.helpers import run_distributed
@@ -92,8 +93,10 @@ def _count_step_collectives(rank, world):
     from aoe_megatron.train.loop import EndOfStep
     from aoe_megatron.train.metrics import Reporter
 
+    # with aux-loss-free balancing: the bias update's counts ride in the same all-reduce
     run = parse_run([*TINY, "--mock-data", "--train-iters", "4", "--log-interval", "2",
-                     "--expert-model-parallel-size", str(world)], world_size=world)
+                     "--expert-model-parallel-size", str(world), "--set", "expert_bias=true"],
+                    world_size=world)
     parts = set_up(run, rank=rank)
     reporter = Reporter(None, total_steps=run.steps, tokens_per_step=1, enabled=False)
     end = EndOfStep(parts, reporter, Path(tempfile.mkdtemp()))  # finished.json goes there
@@ -125,6 +128,12 @@ def _count_step_collectives(rank, world):
         # step adds the selection statistics' all-reduce
         assert ours == Counter(all_reduce=2 if log else 1), per_step
     assert any(other for _, _, other in per_step), "the counter saw none of DeepSpeed's collectives"
+    biases = torch.stack([r.expert_bias for r in parts.biased_routers])  # [layers, experts]
+    assert biases.abs().sum() > 0  # the loop moved them ...
+    highest, lowest = biases.clone(), biases.clone()
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    torch.testing.assert_close(highest, lowest, rtol=0, atol=0)  # ... the same on every rank
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from aoe_megatron.models.gpt import PRESET_DIR, AoESettings, ModelConfig, RouterSettings, load_preset
-from aoe_megatron.moe.config import AOE_ONLY_FIELDS, MEGATRON_FIELD_MAP, AoEConfig
+from aoe_megatron.moe.config import AOE_ONLY_FIELDS, MEGATRON_FIELD_MAP, MODEL_FIELDS, AoEConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(PRESET_DIR.rglob("*.yaml"))
@@ -27,7 +27,7 @@ def _default(f):
 def test_aoe_settings_are_aoe_config_less_the_shared_fields():
     ours = {f.name: f for f in fields(AoESettings)}
     theirs = {f.name: f for f in fields(AoEConfig)}
-    assert set(ours) == set(theirs) - set(MEGATRON_FIELD_MAP) == set(AOE_ONLY_FIELDS)
+    assert set(ours) == set(theirs) - set(MEGATRON_FIELD_MAP) - set(MODEL_FIELDS) == set(AOE_ONLY_FIELDS)
     for name, f in ours.items():  # one to one: same type and default both ways
         assert (f.type, _default(f)) == (theirs[name].type, _default(theirs[name])), name
     assert theirs["d_wide"].type == ours["d_wide"].type == "Union[int, str]"
@@ -156,7 +156,9 @@ def test_old_key_in_a_study_spec_keeps_the_fingerprints():
 
 
 def test_committed_study_runs_keep_their_fingerprints():
-    """The runs under studies/default were recorded while the key was ``weight_mode``."""
+    """The runs under studies/default were recorded while the key was ``weight_mode``, before
+    revision 2 of the training math: the AoE arms' runs still match; the MoE arm's (its math
+    changed) no longer do, and say why."""
     from aoe_megatron.study.spec import load_study
 
     study = load_study("default")
@@ -165,7 +167,14 @@ def test_committed_study_runs_keep_their_fingerprints():
         for seed in study.seeds:
             record = ROOT / "studies/default/runs" / arm.name / f"seed{seed}" / "study-run.json"
             if record.is_file():
-                assert json.loads(record.read_text())["fingerprint"] == arm.fingerprint(seed, study.data)
+                recorded = json.loads(record.read_text())["fingerprint"]
+                if arm.revision == 1:
+                    assert recorded == arm.fingerprint(seed, study.data), arm.name
+                else:
+                    assert recorded == arm.fingerprint(seed, study.data, revision=1), arm.name
+                    assert recorded != arm.fingerprint(seed, study.data)
+                    assert "trained under revision 1 of the training math, now 2" in \
+                        arm.mismatch(recorded, seed, study.data)
                 checked += 1
     if not checked:
         pytest.skip("no recorded runs under studies/default")

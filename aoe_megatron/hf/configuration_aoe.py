@@ -41,6 +41,7 @@ class AoEConfig(PretrainedConfig):
         d_wide: int = 1024,
         norm: str = "l2",
         selection: str | None = None,
+        expert_bias: bool = False,
         max_position_embeddings: int = 2048,
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-5,
@@ -78,6 +79,7 @@ class AoEConfig(PretrainedConfig):
         self.d_wide = d_wide
         self.norm = norm
         self.selection = selection
+        self.expert_bias = expert_bias
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps

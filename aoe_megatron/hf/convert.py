@@ -105,6 +105,9 @@ def _links(cfg, num_query_groups: int) -> list:
                               (h + "mlp.w_down",)))
             links += [Link(m + f"mlp.experts.{w}", f"decoder.layers.mlp.experts.{w}", (l,), (h + f"mlp.{w}",))
                       for w in ("w_up", "w_p", "w_o")]
+            if cfg.expert_bias:
+                links.append(Link(m + "mlp.router.expert_bias", "decoder.layers.mlp.router.expert_bias",
+                                  (l,), (h + "mlp.expert_bias",)))
         else:
             moe = h + "block_sparse_moe."
             links.append(Link(m + "mlp.router.weight", "decoder.layers.mlp.router.weight", (l,),
@@ -159,6 +162,12 @@ def _check_exportable(cfg) -> None:
                 f"{NORM_ORDERS}; this checkpoint uses selection={cfg.aoe.selection!r}, "
                 f"norm={cfg.aoe.norm!r}"
             )
+    elif cfg.expert_bias or cfg.router.score_function != "softmax":
+        raise ConversionError(
+            "MoE with megatron-core's expert bias (sigmoid scores, a bias that chooses the experts) "
+            "has no Mixtral equivalent: Mixtral routes by a softmax over the router logits, with no "
+            "bias; this checkpoint's routing would change on export"
+        )
     elif not cfg.router.is_stock:
         raise ConversionError(
             f"router variant {cfg.router} has no Mixtral equivalent: only the stock router exports"
@@ -312,7 +321,8 @@ def _hf_config(cfg, *, num_query_groups: int, d_wide: int, dtype: torch.dtype, t
         from aoe_megatron.hf.configuration_aoe import AoEConfig
 
         config = AoEConfig(num_experts=cfg.num_experts, d_low=cfg.aoe.d_low, d_wide=d_wide,
-                           norm=cfg.aoe.norm, selection=cfg.aoe.selection, rope_theta=ROPE_THETA,
+                           norm=cfg.aoe.norm, selection=cfg.aoe.selection,
+                           expert_bias=cfg.expert_bias, rope_theta=ROPE_THETA,
                            architectures=["AoEForCausalLM"], **common)
         config.auto_map = {"AutoConfig": "configuration_aoe.AoEConfig",
                            "AutoModelForCausalLM": "modeling_aoe.AoEForCausalLM"}
@@ -425,6 +435,7 @@ def _hf_model_config(config: dict):
     if kind == "aoe":
         return _model_config({**common, "arch": "aoe", "num_experts": config["num_experts"],
                               "ffn_hidden_size": config["d_wide"],
+                              "expert_bias": bool(config.get("expert_bias", False)),
                               "aoe": {"d_low": config["d_low"], "d_wide": config["d_wide"],
                                       "norm": config["norm"],
                                       # "weight_mode": exported before the rename (it warns)

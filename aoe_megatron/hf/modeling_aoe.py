@@ -19,12 +19,14 @@ H heads, G key/value heads, Dh head dim, V vocabulary):
     model.layers.{l}.mlp.w_up                          [E, R, W]
     model.layers.{l}.mlp.w_p                           [E, D, W]
     model.layers.{l}.mlp.w_o                           [E, W, D]
+    model.layers.{l}.mlp.expert_bias                   [E]  (only with expert_bias: float32)
     model.norm.weight                                  [D]
     lm_head.weight                                     [V, D]  (absent when tie_word_embeddings)
 
 Per token x (a row of the normalised hidden states):
     C_i = x W_down^i,  p_i = ||C_i||  (l2, l1 or linf)
-    I = top-K experts by p;  weights: softmax(p_I) ("topk_softmax") or softmax(p)_I ("softmax_topk")
+    I = top-K experts by p (by p + b with expert_bias: the bias chooses, never weights);
+    weights: softmax(p_I) ("topk_softmax") or softmax(p)_I ("softmax_topk")
     y = sum_{i in I} w_i * ((SiLU(C_i W_up^i) * (x W_p^i)) W_o^i)
 """
 
@@ -149,15 +151,20 @@ class AoEMLP(nn.Module):
         self.w_up = nn.Parameter(torch.empty(e, r, w))
         self.w_p = nn.Parameter(torch.empty(e, d, w))
         self.w_o = nn.Parameter(torch.empty(e, w, d))
+        if getattr(config, "expert_bias", False):  # aux-loss-free balancing's bias, as trained
+            self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     def select(self, norms: torch.Tensor):
         """(expert indices [T, K], weights [T, K]) from the per-expert norms [T, E]."""
-        top = torch.topk(norms, self.top_k, dim=-1)
+        chooser = norms if self.expert_bias is None else norms + self.expert_bias.to(norms.dtype)
+        index = torch.topk(chooser, self.top_k, dim=-1).indices
         if self.selection == "topk_softmax":
-            weights = torch.softmax(top.values, dim=-1)
+            weights = torch.softmax(norms.gather(-1, index), dim=-1)
         else:  # softmax_topk
-            weights = torch.softmax(norms, dim=-1).gather(-1, top.indices)
-        return top.indices, weights
+            weights = torch.softmax(norms, dim=-1).gather(-1, index)
+        return index, weights
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
@@ -208,6 +215,8 @@ class AoEPreTrainedModel(PreTrainedModel):
         if isinstance(module, AoEMLP):
             for p in (module.w_down, module.w_up, module.w_p, module.w_o):
                 p.normal_(0.0, std)
+            if module.expert_bias is not None:
+                module.expert_bias.zero_()
         elif isinstance(module, AoERMSNorm):
             module.weight.fill_(1.0)
         elif isinstance(module, AoERotaryEmbedding):

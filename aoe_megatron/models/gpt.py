@@ -20,6 +20,7 @@ from aoe_megatron.moe.config import AoEConfig, from_transformer_config
 from aoe_megatron.runtime import resources
 
 ARCHS = ("aoe", "moe")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,15 @@ class ModelConfig:
     """Input embedding and output layer share one matrix (what the paper's 732M total needs)."""
     alpha_aux: float = 0.01
     """Load-balancing loss weight (Eq. 2 for MoE, Eq. 6 for AoE); 0 disables it."""
+    expert_bias: bool = False
+    """Aux-loss-free load balancing (DeepSeek-V3; Wang et al. 2024): a per-expert bias added to the
+    selection scores for the top-K choice only, moved by ``bias_update_rate`` toward balance after
+    every optimizer step from the step's load over all ranks (in the step's one collective), and
+    saved with the model. arch "moe": megatron-core's expert bias, which requires
+    ``router.score_function: sigmoid``; arch "aoe": a bias on the experts' norms, the weights
+    staying a softmax over the unbiased selected norms. Usually with alpha_aux 0."""
+    bias_update_rate: float = 1e-3
+    """How far each expert's bias moves per step (DeepSeek-V3's gamma; megatron-core's default)."""
     dispatcher: str = "alltoall"
     aoe: AoESettings = field(default_factory=AoESettings)
     router: RouterSettings = field(default_factory=RouterSettings)
@@ -69,6 +79,17 @@ class ModelConfig:
                                  "see aoe.rank_source)")
         elif not self.router.is_stock:
             self.router_config()  # validates the router variant
+        if self.arch == "moe" and self.router.score_function not in SCORE_FUNCTIONS:
+            raise ValueError(f"unknown router score_function {self.router.score_function!r}; "
+                             f"choose one of {SCORE_FUNCTIONS}")
+        if self.arch == "moe" and (self.expert_bias or self.router.score_function != "softmax"):
+            if not self.router.is_stock:
+                raise ValueError("expert_bias and router.score_function apply to megatron-core's "
+                                 "TopKRouter (router settings at their defaults otherwise)")
+            if self.expert_bias and self.router.score_function != "sigmoid":
+                raise ValueError("MoE expert_bias needs router.score_function: sigmoid "
+                                 "(megatron-core 0.16.1 supports its expert bias with sigmoid "
+                                 "scores only)")
 
     def router_config(self):
         """The traditional-MoE router variant (aoe_megatron.models.moe_router.RouterConfig)."""
@@ -86,7 +107,8 @@ class ModelConfig:
         """
         if tc is None:
             tc = SimpleNamespace(**_megatron_moe_settings(self, expert_parallel_size))
-        return from_transformer_config(tc, **asdict(self.aoe))
+        return from_transformer_config(tc, **asdict(self.aoe), expert_bias=self.expert_bias,
+                                       bias_update_rate=self.bias_update_rate)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -106,6 +128,15 @@ class ModelConfig:
         for name, section in nested.items():
             raw[name] = {**raw[name], **section}
         return ModelConfig.from_dict(raw)
+
+
+def math_revision(cfg: ModelConfig) -> int:
+    """The revision of the training math a model of ``cfg`` trains under: bumped when a change
+    made on purpose means a run of ``cfg`` trained before it does not reproduce. 2: issue #25,
+    arch "moe" (the stock router's L_aux is the paper's Eq. 2, megatron-core's was half of it;
+    every router's weights come from one seed, so the shared weights start as AoE's). Records
+    that must not mix runs across revisions (the study's fingerprints) include it."""
+    return 2 if cfg.arch == "moe" else 1
 
 
 #: The package's presets (the repository's run/presets, installed as package data).
@@ -180,6 +211,10 @@ def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **ext
         num_attention_heads=cfg.num_attention_heads,
         moe_router_pre_softmax=cfg.top_k == 1,  # megatron-core requires it for top-1
         moe_router_load_balancing_type="aux_loss" if cfg.alpha_aux > 0 else "none",
+        # megatron-core's expert bias (stock MoE only; AoE's bias is its own: AoEConfig).
+        moe_router_score_function=cfg.router.score_function,
+        moe_router_enable_expert_bias=cfg.arch == "moe" and cfg.expert_bias,
+        moe_router_bias_update_rate=cfg.bias_update_rate,
         # The stock router's logits, softmax and top-k in fp32 under bf16 too, as AoE's norms are:
         # a baseline as precise as the model it is compared with (megatron-core's default is the
         # activations' dtype).

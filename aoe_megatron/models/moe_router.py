@@ -71,9 +71,8 @@ class VariantRouter(SelectionRouter):
             self.weight = torch.nn.Parameter(torch.empty(e, d, dtype=dtype, device=dev))
         elif router.gate == "hash":
             # A balanced random table (each bucket gets V/E token ids), saved with the model.
-            gen = torch.Generator().manual_seed(draw_module_seed())
-            table = torch.randperm(router.vocab_size, generator=gen) % e
-            self.register_buffer("bucket_of_token", table.to(dev), persistent=True)
+            self.register_buffer("bucket_of_token", torch.empty(router.vocab_size, dtype=torch.long,
+                                                                device=dev), persistent=True)
         else:
             h = e * router.hidden_per_expert
             self.w1 = torch.nn.Parameter(torch.empty(h, d, dtype=dtype, device=dev))
@@ -81,7 +80,11 @@ class VariantRouter(SelectionRouter):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        seed = draw_module_seed()
+        seed = draw_module_seed()  # the one draw of the global RNG (moe.seeding)
+        r = self.router_config
+        if r.gate == "hash":
+            table = torch.randperm(r.vocab_size, generator=torch.Generator().manual_seed(seed))
+            self.bucket_of_token.copy_(table % r.num_experts)
         std = self.config.init_method_std
         for slot, p in enumerate(self.parameters()):
             expert_normal_(p.data, module_seed=seed, global_expert=0, slot=slot, std=std)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from typing import Union  # noqa: F401  (AoEConfig's field types name it)
 
-from aoe_megatron.moe.config import MEGATRON_FIELD_MAP, AoEConfig, upgrade_legacy_keys
+from aoe_megatron.moe.config import MEGATRON_FIELD_MAP, MODEL_FIELDS, AoEConfig, upgrade_legacy_keys
 
 
 def _section_of(config_cls, *, shared, name: str, doc: str):
@@ -34,11 +34,11 @@ def _section_of(config_cls, *, shared, name: str, doc: str):
 
 
 AoESettings = _section_of(
-    AoEConfig, shared=MEGATRON_FIELD_MAP, name="AoESettings",
+    AoEConfig, shared=(*MEGATRON_FIELD_MAP, *MODEL_FIELDS), name="AoESettings",
     doc="""The AoE-only part of a model preset (its ``aoe:`` section): AoEConfig's fields with their
     names, types and defaults, less those a model shares with its layers (``MEGATRON_FIELD_MAP``:
     num_experts, top_k, d_model, d_ffn, alpha_aux and dispatcher are ModelConfig's; the run sets
-    expert_parallel_size). Each field is documented on ``aoe_megatron.moe.config.AoEConfig``;
+    expert_parallel_size; ``MODEL_FIELDS``: expert_bias, bias_update_rate are ModelConfig's too). Each field is documented on ``aoe_megatron.moe.config.AoEConfig``;
     ``ModelConfig.aoe_config`` builds that config from a preset.""",
 )
 
@@ -64,6 +64,10 @@ class RouterSettings:
     """Ent_conf regularizer weight over the router's softmax (1e-4 with top-P)."""
     input_jitter: float = 0.0
     """Switch jitter on the router input (training only)."""
+    score_function: str = "softmax"
+    """The stock router's scores: "softmax" (the paper's MoE, Mixtral) or "sigmoid" (DeepSeek-V3;
+    megatron-core's expert bias requires it: top-K of sigmoid(logits) + bias, the selected
+    sigmoids renormalised to sum to 1)."""
 
     @property
     def is_stock(self) -> bool:

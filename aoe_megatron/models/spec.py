@@ -9,7 +9,6 @@ experts per global expert, so a run's checkpoints and initial weights do not dep
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -22,8 +21,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from aoe_megatron.runtime.compat import transformer_engine_usable
 from aoe_megatron.moe.config import AoEConfig
 from aoe_megatron.moe.experts import AoEExperts
-from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_
+from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, rng_untouched
 from aoe_megatron.moe.layer import AoEMoELayer
+from aoe_megatron.models.stock_router import PaperTopKRouter
 from aoe_megatron.moe.router import AoERouter
 
 
@@ -67,19 +67,11 @@ def init_experts_per_global_expert_(experts, *, module_seed: int, ep_rank: int, 
         expert_normal_(fc2, module_seed=module_seed, global_expert=g, slot=2, std=std_out)
 
 
-@contextmanager
-def _rng_untouched():
-    """The CPU RNG (and this CUDA device's, if initialised) restored on exit."""
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda):
-        yield
-
-
 def _build_per_global_expert(module, build, config) -> None:
     """``build()`` (the megatron-core experts' own __init__) with the RNG untouched but for one
     seed drawn per layer, then every local expert's weights redrawn per global expert."""
     seed = draw_module_seed()
-    with _rng_untouched():
+    with rng_untouched():
         build()
     init_experts_per_global_expert_(module, module_seed=seed, config=config,
                                     ep_rank=mcore_utils.get_pg_rank(module.ep_group))
@@ -154,8 +146,9 @@ def _swap_experts(spec: ModuleSpec, stock: type, ours: type) -> None:
 
 
 def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None) -> ModuleSpec:
-    """megatron-core's stock MoE transformer layer (the traditional-MoE baseline); ``router`` (a
-    ``moe_router.RouterConfig``) swaps megatron-core's TopKRouter for an ablation's router."""
+    """megatron-core's stock MoE transformer layer (the traditional-MoE baseline), its TopKRouter's
+    L_aux made the paper's Eq. 2 (``stock_router.PaperTopKRouter``); ``router`` (a
+    ``moe_router.RouterConfig``) swaps that router for an ablation's."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te is None:
@@ -171,9 +164,11 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
             num_experts=num_experts, moe_grouped_gemm=True
         )
         _swap_experts(spec, TEGroupedMLP, EPInvariantTEGroupedMLP)
-        return align_norm_keys(spec, _local_spec(num_experts))
-    spec = _local_spec(num_experts)
-    _swap_experts(spec, SequentialMLP, EPInvariantSequentialMLP)
+        spec = align_norm_keys(spec, _local_spec(num_experts))
+    else:
+        spec = _local_spec(num_experts)
+        _swap_experts(spec, SequentialMLP, EPInvariantSequentialMLP)
+    spec.submodules.mlp.submodules.router = PaperTopKRouter  # Eq. 2's L_aux (stock_router.py)
     return spec
 
 

@@ -13,11 +13,12 @@ from aoe_megatron.moe.ops import (
     d_wide_for_parity,
     round_to_multiple,
 )
-from aoe_megatron.moe.selection import select_experts, selection_strategies
+from aoe_megatron.moe.selection import BIASABLE, select_experts, selection_strategies
 
 CACHE_MODES = ("send", "recompute")
 RANK_SOURCES = ("cache", "frozen_random", "router")
 INFERENCE_SELECTIONS = ("norm", "fon", "router")
+GATE_INITS = ("paper", "unfactorized_std")
 DISPATCHERS = ("alltoall", "allgather")
 EXPERT_BACKENDS = ("auto", "loop", "padded", "grouped_mm", "autograd")
 
@@ -63,6 +64,12 @@ class AoEConfig:
     """Which projection the cache factorizes: "gate" (W_g = W_down W_up, the paper), "up" (W_p
     instead: the rebuttal's variant) or "none" (the cache is the first d_low elements of the full
     gate pre-activation x W_g^i: the rebuttal's "first n elements"; d_wide "auto" is then d_ffn)."""
+    gate_init: str = "paper"
+    """How the factorized projection W_down W_up starts (factorized "gate" or "up"): "paper" (both
+    N(0, init_method_std^2), as the authors' code: x W_down W_up then has sqrt(d_low) *
+    init_method_std times the std of an unfactorized x W_g, about 8x smaller at d_low 42) or
+    "unfactorized_std" (W_up ~ N(0, 1 / d_low): x W_down W_up starts with the std of x W_g for
+    W_g ~ N(0, init_method_std^2), the traditional MoE expert's)."""
     inference_selection: str = "norm"
     """How experts are selected in evaluation (training always ranks by ``rank_source``):
     "norm" (as trained), "fon" (the rebuttal's final-output norms: every expert computes its
@@ -78,6 +85,13 @@ class AoEConfig:
     """Switch jitter: in training, the layer input is multiplied by U(1 - eps, 1 + eps) noise."""
     alpha_aux: float = 0.01
     """Weight of the load-balancing loss of Eq. 6; 0 disables it."""
+    expert_bias: bool = False
+    """Aux-loss-free balancing on the norms: a per-expert bias added to the norms for the top-K
+    choice only (the weights stay a softmax over the unbiased selected norms), moved by
+    ``bias_update_rate`` toward balance after every optimizer step from the step's load over all
+    ranks (the trainer does it: ``train.balance``). Saved with the model."""
+    bias_update_rate: float = 1e-3
+    """How far each expert's bias moves per step (DeepSeek-V3's gamma; megatron-core's default)."""
     cache_mode: str = "send"
     """"send": ship each (token, expert) pair's cache slice C_i to the expert's rank with x;
     "recompute": ship x only and recompute x W_down^i at the expert."""
@@ -151,6 +165,11 @@ class AoEConfig:
         if self.factorized == "none" and self.d_low >= self.resolved_d_wide:
             raise ValueError(f"factorized 'none' ranks by the first d_low={self.d_low} of "
                              f"d_wide={self.resolved_d_wide} gate elements: d_low must be smaller.")
+        if self.gate_init not in GATE_INITS:
+            raise ValueError(f"unknown AoE gate_init {self.gate_init!r}; choose one of {GATE_INITS}.")
+        if self.gate_init != "paper" and self.factorized == "none":
+            raise ValueError("AoE gate_init applies to a factorized projection (factorized 'gate' or "
+                             "'up'); with factorized 'none' nothing is factorized.")
         if self.inference_selection not in INFERENCE_SELECTIONS:
             raise ValueError(f"unknown AoE inference_selection {self.inference_selection!r}; "
                              f"choose one of {INFERENCE_SELECTIONS}.")
@@ -163,6 +182,12 @@ class AoEConfig:
             raise ValueError("AoE ent_conf_coeff must be >= 0 and input_jitter in [0, 1).")
         if not self.alpha_aux >= 0:
             raise ValueError(f"AoE alpha_aux must be >= 0, got {self.alpha_aux!r}.")
+        if self.expert_bias and (self.selection not in BIASABLE or self.inference_selection != "norm"):
+            raise ValueError(f"AoE expert_bias biases the top-K choice: it needs selection one of "
+                             f"{BIASABLE} and inference_selection 'norm', not {self.selection!r} / "
+                             f"{self.inference_selection!r}.")
+        if not self.bias_update_rate >= 0:
+            raise ValueError(f"bias_update_rate must be >= 0, got {self.bias_update_rate!r}.")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"unknown AoE cache_mode {self.cache_mode!r}; choose one of {CACHE_MODES}.")
         if self.expert_backend not in EXPERT_BACKENDS:
@@ -202,7 +227,11 @@ MEGATRON_FIELD_MAP = {
     "dispatcher": "moe_token_dispatcher_type",
     "expert_parallel_size": "expert_model_parallel_size",
 }
-AOE_ONLY_FIELDS = tuple(f.name for f in fields(AoEConfig) if f.name not in MEGATRON_FIELD_MAP)
+#: AoEConfig fields a model preset sets for every architecture at its top level (ModelConfig's),
+#: not megatron-core's: the run hands them over (``ModelConfig.aoe_config``).
+MODEL_FIELDS = ("expert_bias", "bias_update_rate")
+AOE_ONLY_FIELDS = tuple(f.name for f in fields(AoEConfig)
+                        if f.name not in MEGATRON_FIELD_MAP and f.name not in MODEL_FIELDS)
 
 #: Old setting name -> new one. Stored settings (preset YAML, checkpoints' and runs' recorded
 #: configs, study specs) written with the old name still load, with a DeprecationWarning.

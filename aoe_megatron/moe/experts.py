@@ -61,14 +61,15 @@ class AoEExperts(MegatronModule):
         seed = draw_module_seed()
         std = self.config.init_method_std
         # W_o feeds the residual stream: megatron's scaled init, std / sqrt(2 * num_layers).
-        std_out = std / math.sqrt(2.0 * self.config.num_layers)
+        stds = {name: std for name in EXPERT_WEIGHTS}
+        stds["w_o"] = std / math.sqrt(2.0 * self.config.num_layers)
+        if self.aoe.gate_init == "unfactorized_std":  # std(x W_down W_up) = std(x W_g)
+            stds["w_up"] = 1.0 / math.sqrt(self.aoe.d_low)
         for slot, name in enumerate(EXPERT_WEIGHTS, start=1):
             param = getattr(self, name)
             for local, g in enumerate(self.local_expert_indices):
-                expert_normal_(
-                    param[local], module_seed=seed, global_expert=g, slot=slot,
-                    std=std_out if name == "w_o" else std,
-                )
+                expert_normal_(param[local], module_seed=seed, global_expert=g, slot=slot,
+                               std=stds[name])
 
     def forward(
         self,

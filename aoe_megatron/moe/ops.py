@@ -83,6 +83,15 @@ def load_balancing_loss(
     return alpha * num_experts * torch.sum(f_E * p_E)
 
 
+def updated_expert_bias(bias_E: torch.Tensor, tokens_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing's update (DeepSeek-V3, Wang et al. 2024; megatron-core's
+    ``get_updated_expert_bias`` without its all-reduce): each expert's bias moves by ``rate``
+    toward balance, up for an expert below the mean load, down above it (``tokens_E``: the step's
+    token counts over every rank; any leading dimensions, experts last)."""
+    mean = tokens_E.sum(-1, keepdim=True) / tokens_E.shape[-1]
+    return bias_E + rate * torch.sign(mean - tokens_E).to(bias_E.dtype)
+
+
 def load_fractions(routing_map_TE: torch.Tensor) -> torch.Tensor:
     """f_i of Eqs. 6-7 normalised to a distribution: the share of selections expert i received."""
     counts_E = routing_map_TE.to(torch.float64).sum(0)

@@ -25,6 +25,16 @@ from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_de
 from aoe_megatron.moe.selection import select_experts
 
 
+def keep_float32(module, names) -> None:
+    """Buffers ``names`` of ``module`` back to float32 where a bf16 cast of the model (DeepSpeed's
+    bf16 engine) turned them to bf16: a bias moved by 1e-3 steps and token counts need it (as
+    megatron-core's ``TopKRouter._maintain_float32_expert_bias``)."""
+    for name in names:
+        buf = getattr(module, name)
+        if buf.dtype != torch.float32:
+            buf.data = buf.data.float()
+
+
 class SelectionRouter(MegatronModule):
     """Scores [T, E] -> a registered selection strategy -> (probs, routing_map), with L_aux (Eq. 6
     for AoE, Eq. 2 for MoE: the same formula), the Ent_conf regularizer, Switch jitter and the
@@ -57,6 +67,9 @@ class SelectionRouter(MegatronModule):
         """(probs_TE, routing_map_TE) from the per-expert scores (AoE: norms; MoE: logits);
         ``extra`` goes to the strategy with the configured options."""
         s = self.settings
+        bias_E = getattr(self, "expert_bias", None)
+        if bias_E is not None:  # aux-loss-free balancing: the top-K choice only
+            extra["choice_bias_E"] = bias_E
         sel = select_experts(scores_TE, strategy=s.selection, top_k=s.top_k,
                              **s.selection_options, **extra)
         probs_TE = sel.probs_TE
@@ -65,6 +78,9 @@ class SelectionRouter(MegatronModule):
         valid_T = None if padding_mask is None else padding_mask.reshape(-1).bool()
         routing_kept = sel.routing_map_TE if valid_T is None else sel.routing_map_TE[valid_T]
         probs_kept = sel.scores_TE if valid_T is None else sel.scores_TE[valid_T]
+        if bias_E is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():  # the step's load, for the bias update (train.balance)
+                self.local_tokens_per_expert += routing_kept.sum(0).to(torch.float32)
         with torch.no_grad():
             self.last_load.copy_(ops.load_fractions(routing_kept).to(self.last_load.dtype))
             self.last_ent_conf.copy_(ops.confidence_entropy(probs_kept.detach()))
@@ -115,7 +131,16 @@ class AoERouter(SelectionRouter):
         if aoe.inference_selection == "router":
             self.imitation_DE = torch.nn.Parameter(torch.empty(
                 aoe.d_model, aoe.num_experts, dtype=config.params_dtype, device=target_device(config)))
+        if aoe.expert_bias:  # the names megatron-core's TopKRouter gives its expert bias
+            kw = dict(dtype=torch.float32, device=target_device(config))
+            self.register_buffer("expert_bias", torch.zeros(aoe.num_experts, **kw), persistent=True)
+            self.register_buffer("local_tokens_per_expert", torch.zeros(aoe.num_experts, **kw),
+                                 persistent=False)
         self.reset_parameters()
+
+    @property
+    def bias_update_rate(self) -> float:
+        return self.aoe.bias_update_rate
 
     @property
     def w_down_DER(self) -> torch.Tensor:
@@ -142,6 +167,8 @@ class AoERouter(SelectionRouter):
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """hidden_states [S, B, D] -> (probs_TE, routing_map_TE, cache_TER)."""
         e = self.aoe.num_experts
+        if self.aoe.expert_bias:
+            keep_float32(self, ("expert_bias", "local_tokens_per_expert"))
         x_TD = self.jitter(hidden_states.reshape(-1, self.aoe.d_model))
         if self.aoe.rank_source == "cache" and self.aoe.lean_cache:
             # the cache is not kept for the norms' backward (recomputed there from x)

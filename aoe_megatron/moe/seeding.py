@@ -4,9 +4,16 @@ Every AoE weight block belonging to global expert g is drawn from its own genera
 one number drawn from the global RNG when the module is built (identical on every rank, as
 megatron-core already requires for replicated weights) and g. An expert therefore gets the same
 initial weights at EP=1, 2 or 8, and two layers never share weights.
+
+Every MoE block's module (AoE's router and experts, the stock router and experts, the variant
+routers) draws exactly one seed from the global RNG, so the block consumes the same draws
+whatever the architecture: at one seed, the weights two architectures share (embeddings,
+attention, norms, the output layer) start identical (tests/test_paper_losses.py).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -34,3 +41,12 @@ def target_device(config) -> torch.device:
     if torch.cuda.is_available() and not config.use_cpu_initialization:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+@contextmanager
+def rng_untouched():
+    """The CPU RNG (and this CUDA device's, if initialised) restored on exit: what runs inside
+    consumes no draws of the global stream."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda):
+        yield

@@ -59,26 +59,35 @@ def get_selection(name: str) -> SelectionFn:
         ) from None
 
 
-def _top_k_mask(norms_TE: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    top_idx_TK = torch.topk(norms_TE, k=top_k, dim=-1).indices
+#: The strategies that take ``choice_bias_E`` (aux-loss-free balancing's per-expert bias).
+BIASABLE = ("topk_softmax", "softmax_topk")
+
+
+def _top_k_mask(norms_TE: torch.Tensor, top_k: int,
+                choice_bias_E=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-K experts per token, chosen by ``norms + choice_bias_E`` when a bias is given."""
+    chooser_TE = norms_TE if choice_bias_E is None else norms_TE + choice_bias_E.to(norms_TE.dtype)
+    top_idx_TK = torch.topk(chooser_TE, k=top_k, dim=-1).indices
     mask_TE = torch.zeros_like(norms_TE, dtype=torch.bool).scatter(-1, top_idx_TK, True)
     return top_idx_TK, mask_TE
 
 
 @register_selection("topk_softmax")
-def topk_then_softmax(norms_TE: torch.Tensor, *, top_k: int) -> Selection:
-    """The paper's Algorithm 2 (lines 8-9): I = argtopK(p); weights = softmax(p[I])."""
-    top_idx_TK, mask_TE = _top_k_mask(norms_TE, top_k)
+def topk_then_softmax(norms_TE: torch.Tensor, *, top_k: int, choice_bias_E=None) -> Selection:
+    """The paper's Algorithm 2 (lines 8-9): I = argtopK(p); weights = softmax(p[I]). With
+    ``choice_bias_E`` (aux-loss-free balancing) I = argtopK(p + b), the weights still softmax(p[I])."""
+    top_idx_TK, mask_TE = _top_k_mask(norms_TE, top_k, choice_bias_E)
     weights_TK = torch.softmax(norms_TE.gather(-1, top_idx_TK), dim=-1)
     probs_TE = torch.zeros_like(norms_TE).scatter(-1, top_idx_TK, weights_TK)
     return Selection(probs_TE, mask_TE, torch.softmax(norms_TE, dim=-1))
 
 
 @register_selection("softmax_topk")
-def softmax_then_topk(norms_TE: torch.Tensor, *, top_k: int) -> Selection:
-    """The authors' released variant: softmax over all norms, keep the top-K, no renormalisation."""
+def softmax_then_topk(norms_TE: torch.Tensor, *, top_k: int, choice_bias_E=None) -> Selection:
+    """The authors' released variant: softmax over all norms, keep the top-K (by norms +
+    ``choice_bias_E`` when given), no renormalisation."""
     scores_TE = torch.softmax(norms_TE, dim=-1)
-    top_idx_TK, mask_TE = _top_k_mask(norms_TE, top_k)
+    top_idx_TK, mask_TE = _top_k_mask(norms_TE, top_k, choice_bias_E)
     probs_TE = torch.zeros_like(scores_TE).scatter(-1, top_idx_TK, scores_TE.gather(-1, top_idx_TK))
     return Selection(probs_TE, mask_TE, scores_TE)
 

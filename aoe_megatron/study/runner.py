@@ -96,8 +96,9 @@ def train_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print) -> di
     record = _read(paths.record)
     if record and record.get("fingerprint") != fingerprint:
         raise StudyError(
-            f"{paths.root} holds a run of a different spec (fingerprint {record.get('fingerprint')}, "
-            f"now {fingerprint}): delete that folder to rerun it, or give the study another name")
+            f"{paths.root} holds a run that is not this one: "
+            f"{arm.mismatch(record.get('fingerprint'), seed, study.data)}. Delete that folder to "
+            f"rerun it, or give the study another name")
     if record and record.get("finished") and paths.finished.is_file():
         echo(f"  {arm.name} seed {seed}: finished earlier, reused ({paths.root})")
         return record
@@ -202,7 +203,8 @@ def collect_finished(study: Study, out: Path) -> dict:
             record, evaluation = _read(paths.record), _read(paths.eval)
             if record and record.get("finished") and evaluation:
                 if record.get("fingerprint") != arm.fingerprint(seed, study.data):
-                    raise StudyError(f"{paths.root} was trained with another spec")
+                    raise StudyError(f"{paths.root} cannot be reported: "
+                                     f"{arm.mismatch(record.get('fingerprint'), seed, study.data)}")
                 results[arm.name][seed] = {"record": record, "eval": evaluation}
     empty = [a for a, r in results.items() if not r]
     if empty:

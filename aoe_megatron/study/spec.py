@@ -82,14 +82,34 @@ class Arm:
     def model(self) -> ModelConfig:
         return ModelConfig.from_dict(self.preset["model"])
 
-    def fingerprint(self, seed: int, data: str) -> str:
-        """Everything that decides a run's result: a finished run is reused only if it matches."""
+    @property
+    def revision(self) -> int:
+        """The training math's revision for this arm (``models.gpt.math_revision``)."""
+        from aoe_megatron.models.gpt import math_revision
+
+        return math_revision(self.model)
+
+    def fingerprint(self, seed: int, data: str, *, revision: int | None = None) -> str:
+        """Everything that decides a run's result: a finished run is reused only if it matches.
+        ``revision``: the training math's (default: today's, ``revision``)."""
         # NOTE: a renamed setting is hashed under its old name (LEGACY_KEYS: "selection" as
-        # "weight_mode"), so the runs recorded before the rename keep their fingerprints.
-        blob = json.dumps({"preset": _as_recorded(self.preset), "world_size": self.world_size,
-                           "ep": self.expert_parallel_size, "seed": seed, "data": data},
-                          sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        # "weight_mode"), and revision 1 is not hashed, so runs recorded before a rename, or
+        # before a revision that left their arm alone, keep their fingerprints.
+        fields = {"preset": _as_recorded(self.preset), "world_size": self.world_size,
+                  "ep": self.expert_parallel_size, "seed": seed, "data": data}
+        revision = self.revision if revision is None else revision
+        if revision > 1:
+            fields["math_revision"] = revision
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+    def mismatch(self, recorded: str, seed: int, data: str) -> str:
+        """Why a run recorded with fingerprint ``recorded`` is not this arm's at ``seed``."""
+        for old in range(1, self.revision):
+            if recorded == self.fingerprint(seed, data, revision=old):
+                return (f"it was trained under revision {old} of the training math, now "
+                        f"{self.revision} (aoe_megatron.models.gpt.math_revision)")
+        return (f"it was trained with another spec (fingerprint {recorded}, now "
+                f"{self.fingerprint(seed, data)})")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,9 @@ class Parts:
     """The data's fingerprint (datacheck): recorded in every checkpoint."""
     stock_stats: list
     """StockRouterStats hooks (MoE baseline); AoE layers keep their own statistics."""
+    biased_routers: list
+    """The routers with an expert bias (aux-loss-free balancing), updated by the loop
+    (``balance``)."""
     start: int = 0
     """Steps already done (a resumed run's)."""
 
@@ -44,6 +47,7 @@ def set_up(run: Run, *, rank: int) -> Parts:
     from aoe_megatron.models.gpt import build_gpt_model, transformer_config
     from aoe_megatron.runtime.distributed import bound_collective_waits, init_megatron
     from aoe_megatron.train import datacheck
+    from aoe_megatron.train.balance import biased_routers
     from aoe_megatron.train.batches import Batches
     from aoe_megatron.train.engine import build_engine
     from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
@@ -85,6 +89,7 @@ def set_up(run: Run, *, rank: int) -> Parts:
                 "zero_stage": cfg.zero_stage},
         data_fingerprint=datacheck.agreed_fingerprint(run.data, run.manifests),
         stock_stats=attach_stock_router_stats(model) if run.model.arch == "moe" else [],
+        biased_routers=biased_routers(model),
     )
     parts.start = _resume_or_initialise(parts)
     return parts

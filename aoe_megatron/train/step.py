@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from aoe_megatron.runtime.distributed import reduce_across_ranks
+from aoe_megatron.train.balance import step_loads, update_biases
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,23 @@ class StepResult:
     """A logging step: statistics are gathered and a console line printed."""
 
 
-def agree_on_step(loss: torch.Tensor, *, stop_raised: bool) -> tuple:
+def agree_on_step(loss: torch.Tensor, *, stop_raised: bool,
+                  loads: Optional[torch.Tensor] = None) -> tuple:
     """(mean loss, ranks with a non-finite loss, whether any rank must stop), from one all-reduce
-    of what every step must agree on. Anything more a step must agree on (a load-balancing
-    update's counts) joins this tensor rather than adding a collective."""
+    of what every step must agree on. ``loads`` (the expert-bias update's token counts,
+    ``balance.step_loads``) joins that all-reduce and is summed over ranks in place."""
     import torch.distributed as dist
 
     loss = loss.detach().float().reshape(())
     flags = torch.tensor([0.0, float(stop_raised)], device=loss.device)
     flags[0] = (~torch.isfinite(loss)).float()
-    total = reduce_across_ranks(torch.cat([loss.reshape(1), flags]), op="sum")
+    parts = [loss.reshape(1), flags] + ([] if loads is None else [loads.to(loss.device).float()])
+    total = reduce_across_ranks(torch.cat(parts), op="sum")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     total[0:1].div_(world)  # the mean, computed as reduce_across_ranks(op="mean") does
-    mean, nonfinite, stop = total.tolist()  # the step's one host sync
+    if loads is not None:
+        loads.copy_(total[3:])
+    mean, nonfinite, stop = total[:3].tolist()  # the step's one host sync
     return mean, int(nonfinite), stop > 0
 
 
@@ -79,9 +84,12 @@ def train_step(parts, step: int, *, stop_flag, log: bool) -> StepResult:
         aux = _aux_loss(gas) if log else None
     finally:
         clear_aux_losses_tracker()
-    mean, nonfinite, stop = agree_on_step(step_loss, stop_raised=stop_flag.raised)
+    loads = step_loads(parts.biased_routers)
+    mean, nonfinite, stop = agree_on_step(step_loss, stop_raised=stop_flag.raised, loads=loads)
+    applied = engine.was_step_applied()
+    update_biases(parts.biased_routers, loads, applied=applied)
     grad_norm = engine.get_global_grad_norm()
     return StepResult(step=step + 1, loss=mean, lr=lr,
                       grad_norm=None if grad_norm is None else float(grad_norm),
-                      applied=engine.was_step_applied(), nonfinite_ranks=nonfinite, stop=stop,
+                      applied=applied, nonfinite_ranks=nonfinite, stop=stop,
                       aux_loss=aux, log=log)
