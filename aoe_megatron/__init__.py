@@ -69,5 +69,8 @@ _mapped_from_a_checkout("aoe_megatron._patches", "patches")
 _mapped_from_a_checkout("aoe_megatron._run", "run")
 
 from aoe_megatron._patches import apply_patches  # noqa: E402
+from aoe_megatron._patches import mcore_jit as _mcore_jit  # noqa: E402
+
+_mcore_jit.arm()  # before megatron-core loads: it decorates its kernels as it imports
 
 __all__ = ["apply_patches", "MEGATRON_CORE_VERSION", "__version__"]

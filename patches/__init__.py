@@ -2,7 +2,10 @@
 
 megatron-core 0.16.1 calls CUDA unconditionally in a few places. On a machine without CUDA (our
 CPU test machines, CI) those calls fail, so each is replaced by a device-neutral version. The
-patches are applied by one explicit call, :func:`apply_patches`; nothing is patched on import.
+patches are applied by one explicit call, :func:`apply_patches`; nothing is patched on import,
+with one exception: megatron-core decorates its fused kernels with ``torch.compile`` while it imports,
+so ``import aoe_megatron`` arms ``mcore_jit`` (an import hook, :func:`mcore_jit.arm`) before any
+megatron-core module loads.
 
 Each module here:
   - names the upstream file it changes (``TARGET``) and says what, why and for which version;
@@ -20,9 +23,11 @@ import os
 
 from . import (
     deepspeed_comm_torch,
+    deepspeed_runtime_compiler,
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
+    mcore_jit,
     mcore_moe_router,
     mcore_moe_token_dispatcher,
     mcore_moe_utils,
@@ -39,6 +44,7 @@ from ._patching import revert_all
 from aoe_megatron import MEGATRON_CORE_VERSION as SUPPORTED_MCORE_VERSION  # noqa: E402
 
 ALL_PATCHES = (
+    mcore_jit,
     mcore_utils,
     mcore_tensor_parallel_random,
     mcore_tensor_parallel_mappings,
@@ -54,7 +60,7 @@ ALL_PATCHES = (
 
 #: DeepSpeed's, applied by :func:`apply_deepspeed_patches` when DeepSpeed is imported (processes
 #: that never train do not import it).
-DEEPSPEED_PATCHES = (deepspeed_comm_torch,)
+DEEPSPEED_PATCHES = (deepspeed_comm_torch, deepspeed_runtime_compiler)
 
 _applied: list[str] | None = None
 _applied_deepspeed: list[str] | None = None

@@ -233,16 +233,17 @@ from aoe_megatron.runtime.distributed import init_megatron
 from aoe_megatron.models.gpt import load_preset, build_gpt_model, transformer_config
 from dataclasses import asdict
 init_megatron()
-hidden = int(sys.argv[3])
-cfg = load_preset("tiny", num_layers=8, hidden_size=hidden, num_attention_heads=8, ffn_hidden_size=4 * hidden,
-                  num_experts=8, top_k=2)
-model = build_gpt_model(cfg, transformer_config(cfg, perform_initialization=False), use_te=False)
-step = Path(sys.argv[1]) / "step_00000001"
-(step / "model").mkdir(parents=True)
-dist_checkpointing.save(model.sharded_state_dict(), str(step / "model"))
-state = {"step": 1, "consumed_samples": 0, "config": {"model": asdict(cfg), "train": {"data": sys.argv[2]}},
-         "layout": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
-(step / "state.json").write_text(json.dumps(state))
+for folder, hidden in zip(sys.argv[2::2], map(int, sys.argv[3::2])):
+    cfg = load_preset("tiny", num_layers=8, hidden_size=hidden, num_attention_heads=8,
+                      ffn_hidden_size=4 * hidden, num_experts=8, top_k=2)
+    model = build_gpt_model(cfg, transformer_config(cfg, perform_initialization=False), use_te=False)
+    step = Path(folder) / "step_00000001"
+    (step / "model").mkdir(parents=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(step / "model"))
+    state = {"step": 1, "consumed_samples": 0, "config": {"model": asdict(cfg), "train": {"data": sys.argv[1]}},
+             "layout": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": 1}}
+    (step / "state.json").write_text(json.dumps(state))
+    del model
 """
 
 _PEAK = """
@@ -264,9 +265,9 @@ def test_export_memory_stays_near_one_layer_slice(corpus, tmp_path):
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     run = lambda *a: subprocess.run([sys.executable, "-c", *a], cwd=ROOT, capture_output=True,
                                     text=True, timeout=600, env=env)
-    for name, hidden in (("small", "64"), ("ckpt", "512")):
-        proc = run(_SAVE_BIG, str(tmp_path / name), str(corpus["data"]), hidden)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run(_SAVE_BIG, str(corpus["data"]), str(tmp_path / "small"), "64", str(tmp_path / "ckpt"),
+               "512")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     size = sum(f.stat().st_size for f in (tmp_path / "ckpt").rglob("*.distcp"))
     reader = CheckpointReader(tmp_path / "ckpt" / "step_00000001")
     largest_slice = max(math.prod(s[1:]) if k.startswith("decoder.layers.") else math.prod(s)

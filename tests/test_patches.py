@@ -22,6 +22,7 @@ from aoe_megatron._patches import (
     deepspeed_comm_torch,
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_state_dict_saver,
+    mcore_jit,
     mcore_moe_router,
     mcore_moe_token_dispatcher,
     mcore_moe_utils,
@@ -81,8 +82,52 @@ def test_deepspeed_starts_on_the_cpu_without_compiling_its_shared_memory_op(monk
     with without(deepspeed_comm_torch):
         comm.build_shm_op()
         assert builds == ["deepspeed_shm_comm"]  # upstream: a compile (here a stub)
-    assert patches.apply_deepspeed_patches() == ["deepspeed_comm_torch"]
+    assert "deepspeed_comm_torch" in patches.apply_deepspeed_patches()
     assert comm.build_shm_op() is None and builds == ["deepspeed_shm_comm"]
+
+
+_KERNELS_AT_IMPORT = """
+import os, sys
+import torch
+os.environ["DS_ACCELERATOR"] = "cpu"
+if sys.argv[1] == "patched":
+    import aoe_megatron  # arms mcore_jit
+    from aoe_megatron.train.engine import import_deepspeed
+    import_deepspeed()
+else:
+    import deepspeed
+from megatron.core.fusions import fused_bias_swiglu
+from deepspeed.runtime.zero.muon import original_muon
+plain = [not hasattr(f, "_torchdynamo_orig_callable") for f in
+         (fused_bias_swiglu.swiglu, original_muon.muon_update, original_muon.zeropower_via_newtonschulz5)]
+print(*plain, "torch._inductor.compile_fx" in sys.modules)
+if sys.argv[1] == "patched":  # eager: what the compiled kernel computes (never run here upstream:
+    y = torch.randn(4, 6, dtype=torch.float64)  # Inductor would build it with the C++ compiler)
+    a, b = y.chunk(2, -1)
+    torch.testing.assert_close(fused_bias_swiglu.swiglu(y), torch.nn.functional.silu(a) * b)
+"""
+
+
+@cpu_only
+@pytest.mark.parametrize("mode", ["unpatched", "patched"])
+def test_no_torch_compile_wrappers_built_on_the_cpu(mode):
+    """megatron-core (its jit_fuser) and DeepSpeed's Muon module (loaded by ZeRO 1/2 on their
+    first reduction) wrap kernels in ``torch.compile`` as they import, which loads Inductor's
+    compiler (about a second per process): ``mcore_jit`` and ``deepspeed_runtime_compiler`` leave
+    them plain functions, and Inductor's compiler unloaded."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _KERNELS_AT_IMPORT, mode], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    flags = done.stdout.split()
+    if mode == "unpatched":
+        assert flags == ["False", "False", "False", "True"]
+    else:
+        assert flags == ["True", "True", "True", "False"]
+        assert mcore_jit.apply() is True  # in process: already in place, nothing to change
+        assert patches.apply_deepspeed_patches()[-1] == "deepspeed_runtime_compiler"
 
 
 def test_refuses_other_megatron_versions(monkeypatch):

@@ -5,6 +5,7 @@ itself, resumes and finishes with the losses of an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -124,13 +125,13 @@ def _wait_until_ended(env, job_id: str, timeout: float, tick=None) -> str:
     return state
 
 
-# The time-limit test runs the template with --time=2 --signal=TERM@30. slurmctld checks time limits
-# every 30 s (a constant in Slurm): the warning goes out at the first check at or after
-# end - 30 - 30 s, that is 60 to 90 s after the start here (on a real cluster the template's
-# TERM@120 comes 120 to 150 s before the limit), and the limit's kill at the first check at or after
-# the end, 60 s after the warning. The restarted job gets its warning as late, so it has 60 s to
-# finish (it needs about 30).
-LIMIT_MIN, WARN_S, CHECK_S = 2, 30, 30
+# The time-limit test runs the template as written (--signal=TERM@120, Slurm's warning 120 s before
+# the time limit) under a 10-minute limit. slurmctld checks time limits every 30 s (a constant in
+# Slurm). Once the run is mid-way, the test shortens the limit (scontrol update TimeLimit) so that
+# the warning is due: it goes out at the next check, within 30 s, and the limit itself stays at
+# least 60 s away, time to save and exit. Seen the warning, the test gives the job its 10 minutes
+# back, so the restarted job finishes unwarned.
+LIMIT_MIN, WARN_S, CHECK_S = 10, 120, 30
 
 
 def _start_time(env, job_id: str, timeout: float = 120) -> float:
@@ -194,12 +195,12 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
     saves, the job requeues itself, restarts, resumes and finishes with every step's loss equal to
     an uninterrupted run's (plain torchrun, same settings: world size 2, EP 2).
 
-    NOTE: the warning lands on a 30-s tick whose phase the test does not choose, and the run needs
-    only seconds. So once the run is past step ``hold_at`` (long before the first possible
-    warning), the test stops its two training processes (SIGSTOP), as if the step were slow;
-    Slurm itself wakes them: it sends SIGCONT with the warning signal. The warning thus lands
-    mid-step after the trainer's handler is in place, at any machine speed, and the reference
-    run trains while they wait.
+    NOTE: the run needs only seconds, and Slurm's warning comes on a 30-s tick. So once the run
+    is past step ``hold_at``, the test stops its two training processes (SIGSTOP), as if the step
+    were slow, and shortens the job's limit so that the warning is due at the next tick (the
+    constants above). Slurm itself wakes them: it sends SIGCONT with the warning signal. The
+    warning thus lands mid-step after the trainer's handler is in place, at any machine speed, and
+    the reference run trains while they wait.
     Periodic saves (every 4 steps) come before the warning: the save it asks for must still
     work although Slurm signals every process of the step (``checkpoint.start_writer``).
     """
@@ -210,20 +211,32 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
     env = _template_env(cluster, tmp_path, data, steps=steps,
                         extra="--eval-interval 0 --log-interval 1 --save-interval 4")
     run_dir, ckpt_dir, log = tmp_path / "run", tmp_path / "ckpt", tmp_path / "job.out"
-    job_id = _sbatch(env, log, f"--time={LIMIT_MIN}", f"--signal=TERM@{WARN_S}")
+    job_id = _sbatch(env, log, f"--time={LIMIT_MIN}")
     started = _start_time(env, job_id)
-    first_warning = started + LIMIT_MIN * 60 - WARN_S - CHECK_S
+    controller = Path(env["SLURM_CONF"]).parent / "log" / "slurmctld.log"
 
-    while len(_train_losses(run_dir)) < hold_at and time.time() < first_warning - 5:
+    def warned() -> bool:
+        return controller.exists() and re.search(
+            rf"warning signal 15 to JobId={job_id}\b", controller.read_text()) is not None
+
+    def set_limit(minutes: int) -> None:
+        subprocess.run(["scontrol", "update", f"JobId={job_id}", f"TimeLimit={minutes}"],
+                       env=env, check=True, capture_output=True, timeout=60)
+
+    deadline = time.monotonic() + 240
+    while len(_train_losses(run_dir)) < hold_at:
         assert _job_state(env, job_id) == "RUNNING", log.read_text()
+        assert time.monotonic() < deadline, f"the job never reached step {hold_at}"
         time.sleep(0.2)
-    held, reference, state = [], None, "RUNNING"
+    held, reference, state, restored = _training_pids(run_dir), None, "RUNNING", False
     try:
-        if time.time() < first_warning - 5:  # else the machine is slow: the warning finds it busy
-            held = _training_pids(run_dir)
-            assert len(held) == 2, f"expected the job's two training processes, found {held}"
-            _signal_all(held, signal.SIGSTOP)
-        was_held = bool(held)
+        assert len(held) == 2, f"expected the job's two training processes, found {held}"
+        _signal_all(held, signal.SIGSTOP)
+        # the limit a whole minute count away that puts the warning (WARN_S before it) in the past
+        # and the limit itself 60 s or more ahead
+        limit = math.ceil((time.time() - started + 60) / 60)
+        set_limit(limit)
+        shortened = time.time()
 
         reference_dir = tmp_path / "reference"
         with open(tmp_path / "reference.out", "w") as reference_log:
@@ -233,12 +246,16 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
                  "--log-interval", "1", "--save-interval", "4", "--run-dir", reference_dir],
                 nproc=2, threads=1, cwd=ROOT, stdout=reference_log)
 
-        def wake_if_never_warned():  # never needed when Slurm behaves; a failure must not hang
-            if held and time.time() > first_warning + CHECK_S + 10:
-                _signal_all(held, signal.SIGCONT)
+        def tick():
+            nonlocal restored
+            if not restored and warned():  # the restarted job gets the whole limit
+                set_limit(LIMIT_MIN)
+                restored = True
+            if held and time.time() > shortened + CHECK_S + 15:  # never needed when Slurm
+                _signal_all(held, signal.SIGCONT)                # behaves; a failure must not hang
                 held.clear()
 
-        state = _wait_until_ended(env, job_id, 420, tick=wake_if_never_warned)
+        state = _wait_until_ended(env, job_id, 420, tick=tick)
         reference.wait(timeout=300)
     finally:  # on a failure, leave nothing stopped or running behind
         _signal_all(held, signal.SIGCONT)
@@ -248,15 +265,13 @@ def test_time_limit_warning_saves_requeues_and_resumes_exactly(cluster, tmp_path
             subprocess.run(["scancel", job_id], env=env, capture_output=True, timeout=60)
     output = log.read_text() if log.exists() else ""
     assert state == "COMPLETED", f"job {job_id} ended {state}:\n{output[-6000:]}"
-    controller = (Path(env["SLURM_CONF"]).parent / "log" / "slurmctld.log").read_text()
-    assert re.search(rf"warning signal 15 to JobId={job_id}\b", controller), (
-        "slurmctld never sent the time-limit warning:\n" + output[-6000:])
+    assert warned() and restored, "slurmctld never sent the time-limit warning:\n" + output[-6000:]
 
     # Warned mid-run: it saved and stopped, requeued, and the restart resumed from that step.
     stopped = re.search(r"stopped by a signal after step (\d+)", output)
     assert stopped, output[-6000:]
     stop_step = int(stopped.group(1))
-    assert (hold_at if was_held else 1) <= stop_step < steps, output[-6000:]
+    assert hold_at <= stop_step < steps, output[-6000:]
     assert f"requeueing job {job_id}" in output, output[-6000:]
     assert "(restart 1)" in output, output[-6000:]
     assert f"resumed from {ckpt_dir / f'step_{stop_step:08d}'} at step {stop_step}" in output, (

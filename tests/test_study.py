@@ -142,7 +142,8 @@ def test_a_changed_spec_is_refused_not_mixed(quick_study, quick_spec, tmp_path):
     changed = tmp_path / "default.yaml"
     changed.write_text(yaml.safe_dump(raw))
     proc = _study(changed, out)
-    assert proc.returncode == 1 and "holds a run of a different spec" in proc.stderr
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "holds a run that is not this one: it was trained with another spec" in proc.stderr
 
 
 def test_paired_statistics_against_scipy_and_by_hand():
