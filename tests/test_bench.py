@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.testing import assert_close
 from torch.utils.flop_counter import FlopCounterMode
 
 from aoe_megatron.bench import flops as fl

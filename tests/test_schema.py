@@ -117,7 +117,7 @@ def test_old_key_in_a_recorded_model_config():
 def test_old_key_in_an_exported_hugging_face_config(tmp_path):
     pytest.importorskip("transformers")
     from aoe_megatron.hf.configuration_aoe import AoEConfig as HFAoEConfig
-    from aoe_megatron.hf.convert import _hf_model_config
+    from aoe_megatron.hf.from_hf import hf_model_config as _hf_model_config
 
     new = HFAoEConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, num_experts=4,
                       d_low=16, d_wide=160, selection="softmax_topk")

@@ -17,7 +17,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-from aoe_megatron.data.sources import DOWNLOADS, download, paragraph_documents
+from aoe_megatron.data.sources import download, paragraph_documents
 from aoe_megatron.data.tokenizer import ASSETS, DEFAULT_TOKENIZER, PACKAGED_TOKENIZER
 
 MISTRAL_COMMON = "mistral-common==1.13.1"

@@ -3,14 +3,19 @@
 ``CheckpointReader`` reads slices of the global tensors of a megatron-core ``torch_dist``
 checkpoint (``step_N/model/``) without a process group and without loading the rest, so memory
 stays near the largest slice asked for. ``SafetensorsWriter`` writes a sharded safetensors
-model whose header is planned up front, then streams tensors in that order.
+model whose header is planned up front, then streams tensors in that order. ``staged_output``
+publishes a conversion's folder whole or not at all.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import socket
 import struct
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -19,6 +24,28 @@ import torch
 
 class ConversionError(RuntimeError):
     """A conversion input is unusable; the message names the file and what to do."""
+
+
+@contextmanager
+def staged_output(out: Path, overwrite: bool):
+    """Yields ``OUT.partial-HOST-PID`` to write into; renamed to ``out`` on success, removed on
+    any failure: a conversion is published whole or not at all."""
+    if out.exists() and not overwrite:
+        raise ConversionError(
+            f"output folder {out} already exists: choose a new path, remove it, or pass --overwrite "
+            f"(it is replaced only once the new conversion is complete)"
+        )
+    tmp = out.parent / f"{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
 
 
 def resolve_checkpoint(path) -> Path:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import torch
 from megatron.core import utils as mcore_utils
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
