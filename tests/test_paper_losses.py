@@ -50,11 +50,8 @@ def _router(kind: str):
     return router, [router.w1, router.w2], lambda x, w1, w2: F.silu(x @ w1.t()) @ w2.t()
 
 
-@pytest.mark.parametrize("kind", ["stock", "linear", "two_layer", "aoe"])
-def test_l_aux_sends_the_router_the_gradient_of_eq2(megatron_world, kind):
-    """The stock TopKRouter (Config 2, the 732M/4B baselines, the study's moe arm), the variant
-    routers (Config 4's two-layer gate among them) and AoE's norms: the same Eq. 2 gradient.
-    megatron-core's own switch loss divides f_i by K and would give half of it here."""
+def _l_aux_grads(kind: str, padding_T=None):
+    """The router's weights' gradients from L_aux alone, and Eq. 2's over the valid tokens."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     torch.manual_seed(0)
@@ -62,14 +59,39 @@ def test_l_aux_sends_the_router_the_gradient_of_eq2(megatron_world, kind):
     router.train()
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))
     x_TD = torch.randn(T, D)
-    out = router(x_TD.view(T, 1, D))
+    mask = None if padding_T is None else padding_T.view(T, 1)
+    out = router(x_TD.view(T, 1, D), mask)
     out[0].backward(torch.zeros_like(out[0]))  # only L_aux reaches the weights
 
+    valid_TD = x_TD if padding_T is None else x_TD[~padding_T]
     ref = [w.detach().double().requires_grad_() for w in weights]
-    want = torch.autograd.grad(eq2(scores(x_TD.double(), *ref), ALPHA, K), ref)
+    want = torch.autograd.grad(eq2(scores(valid_TD.double(), *ref), ALPHA, K), ref)
     for w, g in zip(weights, want):
         assert w.grad is not None and w.grad.abs().sum() > 0
         assert_close(w.grad.double(), g, rtol=1e-4, atol=1e-9)
+    return router, scores, weights, valid_TD
+
+
+@pytest.mark.parametrize("kind", ["stock", "linear", "two_layer", "aoe"])
+def test_l_aux_sends_the_router_the_gradient_of_eq2(megatron_world, kind):
+    """The stock TopKRouter (Config 2, the 732M/4B baselines, the study's moe arm), the variant
+    routers (Config 4's two-layer gate among them) and AoE's norms: the same Eq. 2 gradient.
+    megatron-core's own switch loss divides f_i by K and would give half of it here."""
+    _l_aux_grads(kind)
+
+
+@pytest.mark.parametrize("kind", ["stock", "linear", "two_layer", "aoe"])
+def test_padding_counts_in_neither_l_aux_nor_the_load(megatron_world, kind):
+    """``padding_mask`` as megatron-core's GPTModel takes it (True = padding, excluded): every
+    router's L_aux is Eq. 2 over the valid tokens only, and ours report their load over those."""
+    padding_T = torch.zeros(T, dtype=torch.bool)
+    padding_T[::3] = True
+    router, scores, weights, valid_TD = _l_aux_grads(kind, padding_T)
+    if kind != "stock":
+        with torch.no_grad():
+            s_TE = scores(valid_TD.double(), *(w.double() for w in weights))
+        chosen_E = torch.zeros_like(s_TE).scatter(-1, s_TE.topk(K, -1).indices, 1.0).sum(0)
+        assert_close(router.last_load.double(), chosen_E / chosen_E.sum())
 
 
 # --------------------------------------------------------------------------- inits

@@ -73,9 +73,10 @@ class SelectionRouter(MegatronModule):
         sel = select_experts(scores_TE, strategy=s.selection, top_k=s.top_k,
                              **s.selection_options, **extra)
         probs_TE = sel.probs_TE
-        # NOTE: as MoELayer.forward documents, padding_mask is True for *valid* tokens; padding
+        # NOTE: padding_mask is True for *padding*, as GPTModel.forward documents and TopKRouter
+        # reads it (MoELayer.forward's docstring says the opposite, its code does not). Padding
         # still gets experts (shapes stay static) but counts in neither L_aux nor the statistics.
-        valid_T = None if padding_mask is None else padding_mask.reshape(-1).bool()
+        valid_T = None if padding_mask is None else ~padding_mask.reshape(-1).bool()
         routing_kept = sel.routing_map_TE if valid_T is None else sel.routing_map_TE[valid_T]
         probs_kept = sel.scores_TE if valid_T is None else sel.scores_TE[valid_T]
         if bias_E is not None and self.training and torch.is_grad_enabled():
