@@ -330,7 +330,8 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
 
     _preprocess(tmp_path / "corpus", slice(20, 45))
     now = fingerprint(str(data))["datasets"][0]
-    refused = _launch([*args, "--train-iters", "3"])
+    # longer than the checkpoint's run, on its own lr schedule (tests/test_resume_schedule.py)
+    refused = _launch([*args, "--train-iters", "3", "--override-opt_param-scheduler"])
     out = refused.output
     assert refused.returncode != 0, out
     assert f"error: the data differs from what {ck / 'step_00000002'} was trained on:" in out
@@ -342,7 +343,8 @@ def test_resume_on_changed_data_is_refused_unless_allowed(tmp_path):
     assert (ck / "latest").read_text().strip() == "step_00000002"
     assert json.loads((run / "halted.json").read_text())["reason"] == "DataChanged"
 
-    allowed = _launch([*args, "--train-iters", "3", "--allow-data-change"])
+    allowed = _launch([*args, "--train-iters", "3", "--allow-data-change",
+                       "--override-opt_param-scheduler"])
     out = allowed.output
     assert allowed.returncode == 0, out
     assert "WARNING: --allow-data-change: resuming from" in out

@@ -23,10 +23,12 @@ FLAGS = [
     "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-tokens",
     "--weight-decay", "--adam-beta1", "--adam-beta2", "--clip-grad", "--seed", "--precision",
     "--bf16", "--grad-accum-dtype", "--moe-layer-recompute",
-    "--lr", "--min-lr", "--lr-warmup-iters",
+    "--lr", "--min-lr", "--lr-warmup-iters", "--override-opt_param-scheduler",
+    "--use-checkpoint-opt_param-scheduler",
     "--save", "--load", "--ckpt-dir", "--save-interval", "--keep-last", "--load-weights",
     "--no-verify",
-    "--data-path", "--mock-data", "--tokenizer-model", "--allow-data-change",
+    "--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path",
+    "--no-manifest", "--mock-data", "--tokenizer-model", "--allow-data-change",
     "--log-interval", "--eval-interval", "--eval-iters", "--run-dir",
     "--skip-nonfinite", "--inject-nonfinite",
 ]
@@ -57,7 +59,7 @@ def test_the_docs_table_is_the_parsers():
     text = DOCS.read_text()
     table = text.split("tests/test_flags.py checks it -->\n", 1)[1].split("<!-- end", 1)[0]
     assert table == flags.markdown_table(), "regenerate: python -m aoe_megatron.train.flags"
-    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z0-9-]+)` \| [^|]+ \| ([^|]+) \|",
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(--[a-z0-9_-]+)` \| [^|]+ \| ([^|]+) \|",
                                                          table, re.M)}
     assert sorted(rows) == sorted(FLAGS)
     for spelling, megatron in rows.items():  # our spelling is Megatron-LM's where it has one

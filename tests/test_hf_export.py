@@ -119,7 +119,7 @@ def test_exported_tokenizer_is_the_preprocessing_tokenizer(corpus, tmp_path):
     """Encodes like aoe-preprocess, BOS policy included, without a checkpoint."""
     from transformers import AutoTokenizer
 
-    from aoe_megatron.data.preprocess import read_manifest
+    from aoe_megatron.data.manifest import read_manifest
     from aoe_megatron.data.tokenizer import Tokenizer
     from aoe_megatron.hf.convert import export_tokenizer
 

@@ -52,7 +52,7 @@ def _count_reads(rank, world, argv, watched):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_a_launch_reads_the_preset_the_data_config_and_each_manifest_once(corpus, tmp_path):
-    from aoe_megatron.data.blend import DataConfig
+    from aoe_megatron.data.config import DataConfig
     from aoe_megatron.models.gpt import PRESET_DIR
 
     prefixes = DataConfig.load(corpus["data"]).prefixes

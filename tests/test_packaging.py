@@ -161,8 +161,10 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     out = run(*train, "--train-iters", "2", "--save", "ck", "--run-dir", "run")
     assert "deprecated" not in out, out[-3000:]
     assert (work / "ck" / "latest").read_text().strip() == "step_00000002"
-    out = run(*train, "--train-iters", "3", "--load", "ck", "--save", "ck3", "--run-dir", "run3")
+    out = run(*train, "--train-iters", "3", "--load", "ck", "--save", "ck3", "--run-dir", "run3",
+              "--override-opt_param-scheduler")  # a longer run: its own lr schedule
     assert "resumed from ck/step_00000002 at step 2" in out, out[-3000:]
+    assert "note: --override-opt_param-scheduler: continuing" in out, out[-3000:]
     assert (work / "ck3" / "latest").read_text().strip() == "step_00000003"
     # the --load folder of another run is read, not written (its lock file is its first run's)
     assert sorted(p.name for p in (work / "ck").iterdir() if p.name != ".aoe-lock") == [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -173,6 +174,35 @@ def test_per_input_outputs_and_refusal_to_overwrite(tmp_path, docs):
         preprocess(cfg)
     with pytest.raises(PreprocessError, match="matches no file"):
         run(tmp_path, [tmp_path / "missing*.jsonl"])
+
+
+def test_a_folder_input_is_its_jsonl_files(tmp_path, docs):
+    """--input FOLDER: its .jsonl, .jsonl.gz and .jsonl.zst files in name order, not other files
+    nor subfolders; the folder names the subset; a folder without such files is refused."""
+    import zstandard
+
+    folder = tmp_path / "shards"
+    (folder / "deeper").mkdir(parents=True)
+    write_jsonl(folder / "b.jsonl.gz", docs[2:5], opener=gzip.open)
+    write_jsonl(folder / "a.jsonl", docs[:2])
+    (folder / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        write_jsonl(tmp_path / "c.jsonl", docs[5:6]).read_bytes()))
+    write_jsonl(folder / "deeper" / "d.jsonl", docs[6:9])
+    (folder / "notes.txt").write_text("not a corpus\n")
+    cfg = PreprocessConfig(inputs=(str(folder),), output_prefix=str(tmp_path / "rp"),
+                           per_input=True, append_eod=True, workers=0, log_interval=1e9)
+    [(prefix, manifest)] = preprocess(cfg).items()
+    assert Path(prefix).name == "rp_shards_text_document"
+    assert [Path(s["path"]).name for s in manifest["sources"]] == [
+        "a.jsonl", "b.jsonl.gz", "c.jsonl.zst"]
+    tok = Tokenizer()
+    assert [tok.decode(d[:-1]) for d in read_docs(prefix)] == docs[:6]
+    empty = tmp_path / "empty"
+    (empty / "deeper").mkdir(parents=True)
+    (empty / "deeper" / "d.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(PreprocessError, match=re.escape(
+            f"input folder '{empty}' holds no .jsonl, .jsonl.gz, .jsonl.zst file")):
+        run(tmp_path, [empty])
 
 
 def test_interrupted_run_leaves_nothing_readable(tmp_path):

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aoe_megatron.data.blend import DataConfig, build_datasets
+from aoe_megatron.data.blend import build_datasets
+from aoe_megatron.data.config import DataConfig
 from aoe_megatron.data.study_corpus import (
     LONG, OUTPUTS, Source, _long_lines, _paragraphs, build_study_corpus, normalise, title_key,
 )
@@ -246,13 +247,13 @@ def test_valid_blend_misuse_is_refused():
         DataConfig.load({"blend": [{"prefix": "t"}], "valid_blend": [{"prefix": "t"}]})
     with pytest.raises(ValueError, match="exclude each other"):
         DataConfig(("t", "v"), (1.0,), "98,2,0", (1.0,))
-    with pytest.raises(ValueError, match="2 prefixes for 1 blend and 0 valid_blend weights"):
+    with pytest.raises(ValueError, match="2 prefixes for 1 blend, 0 valid_blend and 0 test_blend weights"):
         DataConfig(("t", "v"), (1.0,))
-    cfg = DataConfig.load({"data_root": "/d", "blend": [{"prefix": "t"}],
-                           "valid_blend": [{"prefix": "v"}, {"prefix": "/abs/w", "weight": 2}]})
-    assert cfg.prefixes == ("/d/t", "/d/v", "/abs/w") and cfg.valid_weights == (1.0, 2.0)
-    study = DataConfig.load(Path(__file__).resolve().parents[1] / "run" / "data-study.yaml")
-    assert study.valid_blend == (["data/study_valid_text_document"], [1.0])
+    cfg = DataConfig(("/d/t", "/d/v", "/abs/w"), (1.0,), None, (1.0, 2.0))
+    assert cfg.valid_blend == (["/d/v", "/abs/w"], [1.0, 2.0]) and cfg.test_blend is None
+    assert cfg.to_dict() == {"blend": [{"prefix": "/d/t", "weight": 1.0}],
+                             "valid_blend": [{"prefix": "/d/v", "weight": 1.0},
+                                             {"prefix": "/abs/w", "weight": 2.0}]}
 
 
 def _old_build_datasets(prefixes, weights, split, *, seq_length, seed, num_samples):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from aoe_megatron.data.assets import CORPUS
-from aoe_megatron.data.blend import DataConfig, build_datasets, check_manifests
+from aoe_megatron.data.blend import build_datasets, check_manifests
+from aoe_megatron.data.config import DataConfig
 from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,10 +74,19 @@ def test_data_config_validation_and_manifest_agreement(tmp_path, corpus_lines):
         DataConfig.load({"blend": []})
     with pytest.raises(ValueError, match="must be positive"):
         DataConfig.load({"blend": [{"prefix": "x", "weight": 0}]})
-    cfg = DataConfig.load({"data_root": "/d", "blend": [{"prefix": "x", "weight": 2}]})
-    assert cfg.prefixes == ("/d/x",)
-    for path in (ROOT / "run" / "data-redpajama.yaml", ROOT / "run" / "data-shakespeare.yaml"):
-        assert DataConfig.load(path).prefixes
+    with pytest.raises(ValueError, match=r"no dataset /d/x: tried /d/x.bin/.idx; the folder /d "
+                                         r"does not exist"):
+        DataConfig.load({"data_root": "/d", "blend": [{"prefix": "x", "weight": 2}]})
+    # the shipped configs parse; a prefix not preprocessed here is named with the paths tried
+    # (the working directory, then the config's folder)
+    for path in sorted((ROOT / "run").glob("data-*.yaml")):
+        try:
+            assert DataConfig.load(path).prefixes
+        except ValueError as err:
+            relative = str(path.read_text()).count("prefix: data/")
+            where = (rf"tried {Path.cwd()}/data/\S+, {path.parent}/data/" if relative else
+                     "no dataset /")
+            assert re.search(where, str(err)), err
     with pytest.raises(FileNotFoundError, match="manifest.json is missing"):
         check_manifests([str(tmp_path / "nothing")])
     # A dataset tokenized with another tokenizer cannot join the blend.
@@ -90,5 +101,8 @@ def test_data_config_validation_and_manifest_agreement(tmp_path, corpus_lines):
         check_manifests([a, b])
     with pytest.raises(ValueError, match="not the tokenizer given"):
         check_manifests([a], tokenizer_sha256="0" * 64)
+    cfg = DataConfig.load({"data_root": str(tmp_path), "blend": [{"prefix": "a_text_document",
+                                                                  "weight": 2}]})
+    assert cfg.prefixes == (a,) and cfg.weights == (2.0,)
     manifest = json.loads(Path(f"{b}.manifest.json").read_text())
     assert manifest["tokenizer"]["vocab_size"] == 400 and manifest["dtype"] == "uint16"

@@ -98,7 +98,8 @@ def _check(ap, args) -> None:
 
 
 def _aoe(args) -> tuple:
-    from aoe_megatron.data.blend import DataConfig, check_manifests
+    from aoe_megatron.data.blend import check_manifests
+    from aoe_megatron.data.config import DataConfig
     from aoe_megatron.study import probe
 
     step_dir, state = probe.open_checkpoint(args.checkpoint, what="aoe-norm-probe",
@@ -107,10 +108,15 @@ def _aoe(args) -> tuple:
     if not Path(args.data).is_file():
         raise probe.ProbeError(f"data config {args.data} does not exist")
     # the held-out tokens must come from the tokenizer the model trained with, when that is known
-    trained_on, sha = (state["config"].get("train") or {}).get("data"), None
-    if trained_on and Path(trained_on).is_file():
+    trained_on, sha = state["config"].get("data"), None  # absolute prefixes (newer records)
+    if not isinstance(trained_on, dict):
+        trained_on = (state["config"].get("train") or {}).get("data")
+        trained_on = trained_on[0] if isinstance(trained_on, (list, tuple)) else trained_on
+    try:
         sha = check_manifests(DataConfig.load(trained_on).prefixes)["tokenizer"]["sha256"]
-    else:
+    except (TypeError, ValueError, OSError):
+        sha = None
+    if sha is None:
         stderr_log(f"the training data config {trained_on!r} is not found here: the tokenizer "
                    f"of --data is not checked against the model's")
     seq_length = args.seq_length or cfg.seq_length

@@ -4,7 +4,8 @@ megatron-core indexed datasets.
     aoe-preprocess --input 'redpajama/arxiv/*.jsonl.zst' \\
         --output-prefix data/redpajama --append-eod --workers 16
 
-writes data/redpajama_text_document.{bin,idx} and .manifest.json. With --per-input, each
+writes data/redpajama_text_document.{bin,idx} and .manifest.json. A folder given as --input
+stands for its .jsonl(.gz/.zst) files (``--input redpajama/arxiv``). With --per-input, each
 --input (NAME=GLOB to name it) gets its own dataset, for blending. Flag names follow
 Megatron-LM's tools/preprocess_data.py where they apply.
 """
@@ -21,8 +22,10 @@ def parser() -> argparse.ArgumentParser:
         description="Tokenize JSONL corpora (RedPajama format) into megatron-core indexed "
                     "datasets (PREFIX_text_document.bin/.idx) with a manifest of what went in.")
     ap.add_argument("--input", nargs="+", required=True, metavar="[NAME=]GLOB",
-                    help="input files or globs (.jsonl, .jsonl.gz, .jsonl.zst); NAME=GLOB names "
-                         "a subset (its dataset's name with --per-input); required")
+                    help="input files, globs (.jsonl, .jsonl.gz, .jsonl.zst) or folders (a "
+                         "folder: its .jsonl, .jsonl.gz and .jsonl.zst files, not its "
+                         "subfolders'); NAME=GLOB names a subset (its dataset's name with "
+                         "--per-input; a folder's default name is its own); required")
     ap.add_argument("--output-prefix", required=True,
                     help="path prefix of the outputs: PREFIX_<key>_document.{bin,idx} and "
                          ".manifest.json; required")
@@ -68,6 +71,10 @@ def main(argv=None) -> int:
         return 1
     for prefix, m in results.items():
         print(f"wrote {prefix}.{{bin,idx}}: {m['documents']:,} documents, {m['tokens']:,} tokens")
+    if not cfg.append_eod:
+        print("WARNING: no EOD token was appended to the documents (--append-eod not given): "
+              "aoe-train refuses such a dataset, since its documents would run into each other. "
+              "Preprocess again with --append-eod to train on it", file=sys.stderr)
     return 0
 
 

@@ -1,118 +1,36 @@
-"""Data configs (YAML: weighted dataset prefixes) to megatron-core train/valid/test datasets.
-
-    blend:
-      - {prefix: data/redpajama_common_crawl_text_document, weight: 67.0}
-      - {prefix: data/redpajama_c4_text_document, weight: 15.0}
-    split: "969,30,1"          # train, valid, test shares of every prefix
-    data_root: /datasets       # optional; relative prefixes are joined to it (else to the CWD)
-
-or, with a held-out validation set (no split: ``blend`` is all training, ``valid_blend`` all
-validation, and there is no test set):
-
-    blend:
-      - {prefix: data/study_train_text_document, weight: 1.0}
-    valid_blend:
-      - {prefix: data/study_valid_text_document, weight: 1.0}
-
-Every prefix must have the manifest written by aoe-preprocess, all with one tokenizer
-(and the tokenizer given to training, when one is): a run never mixes tokenizers silently.
-"""
+"""A data config's datasets: their manifests (one tokenizer and policy across a blend) and the
+megatron-core train/valid/test ``GPTDataset``s built from them (``build_datasets``). The config
+itself (YAML or Megatron-LM's flags) is ``data/config.py``'s ``DataConfig``."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
+from aoe_megatron.data.config import DataConfig
 from aoe_megatron.data.integrity import check_datasets
-from aoe_megatron.data.preprocess import read_manifest
-
-DEFAULT_SPLIT = "969,30,1"
+from aoe_megatron.data.manifest import read_manifest
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    prefixes: tuple
-    """Every dataset the run reads: the training blend's prefixes, then ``valid_blend``'s (all
-    are checked to share one tokenizer)."""
-    weights: tuple
-    """Weights of the training blend, one per prefix of ``prefixes[:len(weights)]``."""
-    split: Optional[str] = DEFAULT_SPLIT
-    """train,valid,test shares of every blend prefix; None when ``valid_blend`` is given."""
-    valid_weights: tuple = ()
-    """Weights of ``valid_blend``, one per prefix of ``prefixes[len(weights):]``; empty: none."""
+def read_manifests(prefixes, *, no_manifest: bool = False, tokenizer_model=None,
+                   say=None) -> dict:
+    """{prefix: its preprocessing manifest}, each file read once.
 
-    def __post_init__(self):
-        if len(self.prefixes) != len(self.weights) + len(self.valid_weights):
-            raise ValueError(f"{len(self.prefixes)} prefixes for {len(self.weights)} blend and "
-                             f"{len(self.valid_weights)} valid_blend weights")
-        if self.valid_weights and self.split is not None:
-            raise ValueError("'split' and 'valid_blend' exclude each other: with valid_blend, "
-                             "blend is used entirely for training and valid_blend for validation")
-        if not self.valid_weights and self.split is None:
-            raise ValueError("a data config without valid_blend needs a 'split'")
-        train, valid = self.train_blend[0], (self.valid_blend or ((),))[0]
-        shared = sorted(set(train) & set(valid))
-        if shared:
-            raise ValueError(f"{shared} in both blend and valid_blend: validation data must be "
-                             f"held out from training")
+    ``no_manifest`` (training's ``--no-manifest``): a dataset without a manifest (a Megatron-LM
+    corpus not adopted) gets one built in memory from its structure and ``tokenizer_model``
+    (``data/adopt.py``: sizes checked, a bounded sample read, nothing hashed), with a warning."""
+    out = {}
+    for prefix in prefixes:
+        if no_manifest and not os.path.isfile(f"{prefix}.manifest.json"):
+            from aoe_megatron.data.adopt import unadopted_manifest
 
-    @property
-    def train_blend(self) -> tuple:
-        """(prefixes, weights) of ``blend``."""
-        n = len(self.weights)
-        return list(self.prefixes[:n]), list(self.weights)
-
-    @property
-    def valid_blend(self) -> Optional[tuple]:
-        """(prefixes, weights) of ``valid_blend``, or None when the config has none."""
-        if not self.valid_weights:
-            return None
-        return list(self.prefixes[len(self.weights):]), list(self.valid_weights)
-
-    @classmethod
-    def load(cls, path_or_dict) -> "DataConfig":
-        import yaml
-
-        if isinstance(path_or_dict, dict):
-            raw = path_or_dict
+            out[prefix] = unadopted_manifest(prefix, tokenizer_model, say=say)
+            (say or print)(f"WARNING: --no-manifest: {prefix} has no manifest; its structure is "
+                           f"checked, its tokenizer taken on trust ({out[prefix]['tokenizer']['path']}"
+                           f"), nothing hashed. `aoe-verify-data --adopt {prefix}` records it once.")
         else:
-            raw = yaml.safe_load(Path(path_or_dict).read_text()) or {}
-        unknown = set(raw) - {"blend", "valid_blend", "split", "data_root"}
-        if unknown:
-            raise ValueError(f"unknown data config keys {sorted(unknown)}")
-        root = raw.get("data_root")
-        prefixes, weights = _entries(raw.get("blend"), "blend", root)
-        if "valid_blend" not in raw:
-            return cls(tuple(prefixes), tuple(weights), str(raw.get("split", DEFAULT_SPLIT)))
-        valid_prefixes, valid_weights = _entries(raw["valid_blend"], "valid_blend", root)
-        # a split given beside valid_blend is refused by __post_init__
-        return cls(tuple(prefixes + valid_prefixes), tuple(weights), raw.get("split"),
-                   tuple(valid_weights))
-
-
-def _entries(entries, key: str, root) -> tuple[list, list]:
-    if not entries or not isinstance(entries, list):
-        raise ValueError(f"a data config needs a non-empty '{key}' list of {{prefix, weight}}")
-    prefixes, weights = [], []
-    for entry in entries:
-        if not isinstance(entry, dict) or set(entry) - {"prefix", "weight"} or "prefix" not in entry:
-            raise ValueError(f"{key} entries are {{prefix, weight}}, got {entry}")
-        weight = float(entry.get("weight", 1.0))
-        if not weight > 0:
-            raise ValueError(f"{key} weight must be positive, got {weight} for {entry['prefix']}")
-        prefix = str(entry["prefix"])
-        if root and not os.path.isabs(prefix):
-            prefix = os.path.join(root, prefix)
-        prefixes.append(prefix)
-        weights.append(weight)
-    return prefixes, weights
-
-
-def read_manifests(prefixes) -> dict:
-    """{prefix: its preprocessing manifest}, each file read once."""
-    return {p: read_manifest(p) for p in prefixes}
+            out[prefix] = read_manifest(prefix)
+    return out
 
 
 def check_manifests(prefixes, tokenizer_sha256: Optional[str] = None, *,
@@ -176,9 +94,10 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
     """(train, valid, test) GPTDatasets over the blend; ``num_samples`` = (train, valid, test).
 
     ``manifests``: the datasets' manifests when already read (a resolved run's).
-    A split with 0 samples comes back as None. With ``valid_blend``, ``blend`` alone feeds the
-    training set and ``valid_blend`` alone the validation set (megatron-core's
-    ``blend_per_split``); the test set is None.
+    A split with 0 samples is not built and comes back as None (an empty split that is built
+    would hang megatron-core: ``data/splits.py``). With ``valid_blend``, ``blend`` alone feeds
+    the training set and ``valid_blend`` alone the validation set (megatron-core's
+    ``blend_per_split``), ``test_blend`` the test set.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -192,12 +111,12 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
     manifest = check_manifests(cfg.prefixes, tokenizer_sha256, manifests=manifests)
     if not manifest["policy"]["append_eod"]:
         raise ValueError("training needs documents separated by EOD: preprocess with --append-eod")
-    if cfg.valid_blend is None:
-        blends = dict(blend=(list(cfg.prefixes), list(cfg.weights)), split=cfg.split)
+    if cfg.split is not None:
+        blends = dict(blend=cfg.train_blend, split=cfg.split)
     else:
         # NOTE: megatron-core treats all-None blend_per_split as "mock data": never pass that.
-        per_split = [b if n else None for b, n in zip((cfg.train_blend, cfg.valid_blend, None),
-                                                       num_samples)]
+        per_split = [b if n else None for b, n in
+                     zip((cfg.train_blend, cfg.valid_blend, cfg.test_blend), num_samples)]
         if not any(per_split):
             return None, None, None
         blends = dict(blend_per_split=per_split)
@@ -212,6 +131,12 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
         path_to_cache=cache_dir,
         mmap_bin_files=True,
     )
+    if cfg.split is not None:
+        # NOTE: megatron-core builds every split of the matrix, asking 0 samples of those no one
+        # reads; with no documents in such a split its GPTDataset loops forever. Not built here.
+        gpt_cfg.split_matrix = [m if n else None for m, n in zip(gpt_cfg.split_matrix, num_samples)]
+        if not any(gpt_cfg.split_matrix):
+            return None, None, None
     return BlendedMegatronDatasetBuilder(
         GPTDataset, list(num_samples), lambda: True, gpt_cfg
     ).build()

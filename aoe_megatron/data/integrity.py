@@ -21,6 +21,7 @@ import hashlib
 import os
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from aoe_megatron.runtime.integrity import sha256_file
@@ -59,41 +60,96 @@ class HashingWriter:
         return getattr(self._file, name)
 
 
-def file_record(path: str, *, writer: Optional[HashingWriter] = None) -> dict:
-    """{"size", "sha256"} of a file just written (from ``writer`` when it hashed the writes)."""
+def file_record(path: str, *, writer: Optional[HashingWriter] = None,
+                progress: Optional[Callable[[int], None]] = None) -> dict:
+    """{"size", "sha256"} of a file just written (from ``writer`` when it hashed the writes);
+    ``progress(n)`` after each chunk hashed."""
     if writer is not None:
         return {"size": writer.size, "sha256": writer.hexdigest()}
-    return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+    return {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
 
 
-def _idx_problems(prefix: str, bin_size: int, manifest: dict) -> list[str]:
+@dataclass(frozen=True)
+class IdxHeader:
+    """A megatron-core ``.idx`` header: the counts that say where its three arrays lie."""
+
+    path: str
+    size: int
+    """Bytes of the ``.idx`` file."""
+    code: int
+    """megatron's DType code of the tokens (``DTYPE_NAMES``, ``DTYPE_BYTES``)."""
+    sequences: int
+    boundaries: int
+    """Entries of the document index: sequence indices from 0 to ``sequences``, one more than
+    the documents."""
+
+    @property
+    def dtype(self) -> str:
+        return DTYPE_NAMES[self.code]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.code]
+
+    @property
+    def lengths_offset(self) -> int:  # int32 tokens per sequence
+        return IDX_HEADER.size
+
+    @property
+    def pointers_offset(self) -> int:  # int64 byte offset of each sequence in the .bin
+        return IDX_HEADER.size + 4 * self.sequences
+
+    @property
+    def boundaries_offset(self) -> int:  # int64 sequence index where each document ends
+        return IDX_HEADER.size + 12 * self.sequences
+
+
+def read_idx_header(prefix: str) -> IdxHeader:
+    """The header of ``PREFIX.idx``; ``CorpusDamaged`` if it is no megatron-core index."""
     idx = f"{prefix}.idx"
     idx_size = os.path.getsize(idx)
     if idx_size < IDX_HEADER.size:
-        return [f"{idx} has {idx_size} bytes: too short for an index header"]
+        raise CorpusDamaged(f"{idx} has {idx_size} bytes: too short for an index header")
     with open(idx, "rb") as fh:
-        magic, version, code, sequences, documents = IDX_HEADER.unpack(fh.read(IDX_HEADER.size))
-        if magic != IDX_MAGIC or version != 1 or code not in DTYPE_BYTES:
-            return [f"{idx} is not a megatron-core index (header {magic!r}, version {version})"]
-        problems = []
-        if manifest.get("dtype") and DTYPE_NAMES[code] != manifest["dtype"]:
-            problems.append(f"{idx} says its tokens are {DTYPE_NAMES[code]}, the manifest says "
-                            f"{manifest['dtype']}")
-        expected = IDX_HEADER.size + 12 * sequences + 8 * documents
-        if idx_size not in (expected, expected + sequences):  # + int8 modes (multimodal)
-            return problems + [f"{idx} has {idx_size} bytes, its header ({sequences} sequences, "
-                               f"{documents} document boundaries) implies {expected}"]
-        end = 0
-        if sequences:
-            fh.seek(IDX_HEADER.size + 4 * (sequences - 1))
+        magic, version, code, sequences, boundaries = IDX_HEADER.unpack(fh.read(IDX_HEADER.size))
+    if magic != IDX_MAGIC or version != 1 or code not in DTYPE_BYTES:
+        raise CorpusDamaged(f"{idx} is not a megatron-core index (header {magic!r}, version "
+                            f"{version})")
+    return IdxHeader(idx, idx_size, code, sequences, boundaries)
+
+
+def structure_problems(prefix: str, header: IdxHeader, bin_size: int) -> list[str]:
+    """The ``.idx``'s size against its header's counts, and its last sequence's end against the
+    size of the ``.bin`` (reads 12 bytes)."""
+    idx, sequences = header.path, header.sequences
+    expected = IDX_HEADER.size + 12 * sequences + 8 * header.boundaries
+    if header.size not in (expected, expected + sequences):  # + int8 modes (multimodal)
+        return [f"{idx} has {header.size} bytes, its header ({sequences} sequences, "
+                f"{header.boundaries} document boundaries) implies {expected}"]
+    end = 0
+    if sequences:
+        with open(idx, "rb") as fh:
+            fh.seek(header.lengths_offset + 4 * (sequences - 1))
             (last_length,) = struct.unpack("<i", fh.read(4))
-            fh.seek(IDX_HEADER.size + 4 * sequences + 8 * (sequences - 1))
+            fh.seek(header.pointers_offset + 8 * (sequences - 1))
             (last_pointer,) = struct.unpack("<q", fh.read(8))
-            end = last_pointer + last_length * DTYPE_BYTES[code]
-        if end != bin_size:
-            problems.append(f"{idx} indexes {end} bytes of tokens but {prefix}.bin has "
-                            f"{bin_size}: the two files are not one dataset")
-    return problems
+        end = last_pointer + last_length * header.itemsize
+    if end != bin_size:
+        return [f"{idx} indexes {end} bytes of tokens but {prefix}.bin has {bin_size}: the two "
+                f"files are not one dataset"]
+    return []
+
+
+def _idx_problems(prefix: str, bin_size: int, manifest: dict) -> list[str]:
+    try:
+        header = read_idx_header(prefix)
+    except CorpusDamaged as err:
+        return [str(err)]
+    problems = []
+    if manifest.get("dtype") and header.dtype != manifest["dtype"]:
+        problems.append(f"{header.path} says its tokens are {header.dtype}, the manifest says "
+                        f"{manifest['dtype']}")
+    return problems + structure_problems(prefix, header, bin_size)
 
 
 def dataset_problems(prefix: str, manifest: dict) -> list[str]:

@@ -20,23 +20,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
+from aoe_megatron.data.inputs import PreprocessError, resolve_inputs
 from aoe_megatron.data.integrity import HashingWriter, file_record
-from aoe_megatron.data.reader import SUPPORTED_SUFFIXES, SourceFile, TruncatedStream
+from aoe_megatron.data.manifest import MANIFEST_VERSION
+from aoe_megatron.data.reader import SourceFile, TruncatedStream
 from aoe_megatron.data.records import REASONS, RecordEncoder
 from aoe_megatron.data.tokenizer import Tokenizer
 
-MANIFEST_VERSION = 2  # 2: "files" (size and sha256 of the .bin and the .idx)
 EXAMPLES_PER_REASON = 5
-
-
-class PreprocessError(RuntimeError):
-    """The run cannot produce a valid output (bad arguments, --strict rejections, no documents)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class PreprocessConfig:
     inputs: tuple
-    """Files or globs; ``NAME=GLOB`` names a subset (used by ``per_input``)."""
+    """Files, folders (their ``FOLDER_SUFFIXES`` files) or globs; ``NAME=GLOB`` names a subset
+    (used by ``per_input``)."""
     output_prefix: str
     json_keys: tuple = ("text",)
     tokenizer_model: Optional[str] = None
@@ -64,29 +62,6 @@ class _Stats:
         self.examples.setdefault(reason, [])
         if len(self.examples[reason]) < EXAMPLES_PER_REASON:
             self.examples[reason].append(where)
-
-
-def resolve_inputs(inputs) -> list[tuple[str, list[str]]]:
-    """[(subset name, sorted files)] for each --input; a glob matching nothing is an error."""
-    groups = []
-    for spec in inputs:
-        if "=" in spec and not os.path.exists(spec):
-            name, pattern = spec.split("=", 1)
-        else:
-            name, pattern = "", spec
-        files = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        files = [f for f in files if not os.path.isdir(f)]
-        if not files or not all(os.path.isfile(f) for f in files):
-            raise PreprocessError(f"input {pattern!r} matches no file")
-        bad = [f for f in files if not f.endswith(SUPPORTED_SUFFIXES)]
-        if bad:
-            raise PreprocessError(
-                f"unsupported input {bad[0]!r}: expected one of {', '.join(SUPPORTED_SUFFIXES)}"
-            )
-        if not name:
-            name = Path(files[0]).name.split(".")[0] if len(files) == 1 else Path(pattern).parent.name
-        groups.append((name, files))
-    return groups
 
 
 def dataset_prefix(output_prefix: str, key: str, subset: Optional[str] = None) -> str:
@@ -314,12 +289,3 @@ def preprocess(cfg: PreprocessConfig) -> dict:
             pool.terminate()
             pool.join()
     return results
-
-
-def read_manifest(prefix: str) -> dict:
-    """The manifest beside a dataset prefix (training and export check it)."""
-    path = f"{prefix}.manifest.json"
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} is missing: the dataset was not written by aoe-preprocess")
-    with open(path) as fh:
-        return json.load(fh)

@@ -71,14 +71,24 @@ def _check_exportable(cfg) -> None:
 
 def data_manifest(state: dict, *, data=None, manifest=None) -> dict:
     """The preprocessing manifest of the checkpoint's training data (tokenizer + BOS policy)."""
-    from aoe_megatron.data.blend import DataConfig, check_manifests
+    from aoe_megatron.data.blend import check_manifests
+    from aoe_megatron.data.config import DataConfig
 
     if manifest:
         path = Path(manifest)
         if not path.is_file():
             raise ConversionError(f"manifest {path} does not exist")
         return json.loads(path.read_text())
-    data = data or (state.get("config", {}).get("train", {}) or {}).get("data")
+    recorded = state.get("config", {}) or {}
+    if data is None and isinstance(recorded.get("data"), dict):  # absolute prefixes: any folder
+        try:
+            return check_manifests(DataConfig.load(recorded["data"]).prefixes)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConversionError(f"the training data recorded in state.json: {exc}; pass --data "
+                                  f"DATA.yaml or --manifest PREFIX.manifest.json") from None
+    data = data or (recorded.get("train", {}) or {}).get("data")
+    if isinstance(data, (list, tuple)):  # --data-path as given (a one-item list: a YAML)
+        data = data[0] if len(data) == 1 else None
     if not data or not Path(data).is_file():
         raise ConversionError(
             f"the training data config {data!r} recorded in state.json is not found from "

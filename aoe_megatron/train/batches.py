@@ -20,10 +20,13 @@ class Batches:
         self.cfg, self.model_cfg = cfg, model_cfg = run.cfg, run.model
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.train = self.valid = None
+        self.run_data = run.data is not None
         if run.data is not None:
             from aoe_megatron.data.blend import build_datasets
 
-            evals = (run.steps // cfg.eval_interval + 1) if cfg.eval_interval else 1
+            # validation reads eval_iters batches at each evaluation (none with --eval-interval
+            # 0); the test split is never read: a split asked for 0 samples is not built.
+            evals = (run.steps // cfg.eval_interval + 1) if cfg.eval_interval else 0
             per_eval = cfg.eval_iters * cfg.micro_batch_size * dp_size
             self.train, self.valid, _ = build_datasets(
                 run.data, seq_length=model_cfg.seq_length, seed=cfg.seed,
@@ -33,6 +36,9 @@ class Batches:
 
     def _take(self, dataset, start: int, count: int, salt: int) -> torch.Tensor:
         if dataset is None:
+            if self.run_data:  # a split that was not built
+                raise RuntimeError("a data split that was not built is read (a bug: "
+                                   "train/run.py checks the splits that are read)")
             return random_batch(salt + start, count, self.model_cfg.seq_length,
                                  self.model_cfg.vocab_size)
         rows = [torch.as_tensor(dataset[start + i]["tokens"]).long() for i in range(count)]

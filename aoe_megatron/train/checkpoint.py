@@ -6,7 +6,8 @@ A checkpoint is a directory ``step_00000100/``:
   optimizer/      the same for each parameter's fp32 master weight and Adam moments
                   (``optim_state.py``): resumable at any world size, EP size and ZeRO-1/2 stage
   rng/rank{r}.pt  rank r's random generators (restored when the world size is unchanged)
-  state.json      step, consumed samples, Adam step, schedule position, layout, config, extras
+  state.json      step, consumed samples, Adam step, the lr schedule and its position, layout,
+                  config, extras
   manifest.json   every file's size and sha256 (``integrity.py``), written last
 It is written as ``step_N.partial-*`` and renamed when complete on every rank; then ``latest``
 (a one-line file) is replaced atomically. A crash at any point leaves the previous checkpoint and
@@ -30,18 +31,13 @@ import torch.distributed as dist
 
 from aoe_megatron.runtime import integrity
 from aoe_megatron.train import optim_state
-from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.host_memory import PeakHostMemory
+from aoe_megatron.train.resume_checks import ResumeError, check_config, check_schedule
 
 LATEST = "latest"
 VERIFIED = "last_verified"
 FORMAT = 2
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class ResumeError(TrainingHalted):
-    """A ckpt dir that cannot be resumed as asked; the message says why and what to do (a
-    restart would fail alike: the run halts, see ``faults.TrainingHalted``)."""
 
 
 def _name(step: int) -> str:
@@ -135,6 +131,8 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
                      "adam_step": optim_state.adam_step(engine),
                      "scheduler_last_epoch": scheduler.last_epoch, "layout": layout,
                      "config": config, **(extra or {})}
+            if (in_force := optim_state.schedule_in_force(scheduler)) is not None:
+                state["schedule"] = in_force.record()  # what a resume compares its own with
             (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
         dist.barrier()
         integrity.write_manifest(tmp)
@@ -196,22 +194,6 @@ def _describe_changes(saved: dict, now: dict) -> list:
             if saved.get(key) != now.get(key)]
 
 
-def check_config(state: dict, config: dict, path) -> None:
-    """The model and the batch layout of the data must be those of the checkpoint."""
-    saved = state.get("config") or {}
-    now = json.loads(json.dumps(config, default=str))  # as state.json holds it (lists, not tuples)
-    diffs = [f"model.{k}: {saved['model'].get(k)!r} in the checkpoint, {v!r} now"
-             for k, v in now["model"].items()
-             if "model" in saved and saved["model"].get(k) != v]
-    for key in ("global_batch_size",):
-        old = saved.get("train", {}).get(key)
-        if old is not None and old != now["train"][key]:
-            diffs.append(f"train.{key}: {old!r} in the checkpoint, {now['train'][key]!r} now "
-                         f"(the data position is counted in steps of the global batch)")
-    if diffs:
-        raise ResumeError(f"{path} cannot be resumed with these settings:\n  " + "\n  ".join(diffs))
-
-
 def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, seed: int,
            log: Callable = print, before_load: Optional[Callable] = None,
            mark_verified: bool = True) -> Optional[dict]:
@@ -219,7 +201,8 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
 
     A checkpoint that fails verification is reported with the file at fault and the next older
     one is tried; if checkpoints exist but none verifies, this raises rather than start over.
-    ``before_load(state)`` may refuse the chosen checkpoint (by raising) before anything loads.
+    Before anything loads, the model, global batch and lr schedule are checked against
+    ``config`` (``resume_checks``); ``before_load(state)`` may also refuse (by raising).
     ``mark_verified``: record the checkpoint as ``last_verified`` in ``ckpt_dir`` (retention's
     fallback), only where this run also saves (a --load folder of another run is not written).
     """
@@ -251,11 +234,16 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
         if rank == 0 and mark_verified and state.get("format", 1) >= FORMAT:
             _write_pointer(ckpt_dir, VERIFIED, path.name)
         check_config(state, config, path)
+        schedule, note = check_schedule(state, config, path)
         state["path"] = str(path)
         if before_load is not None:
             before_load(state)
+        if schedule is not None:  # --use-checkpoint-opt_param-scheduler
+            optim_state.use_schedule(scheduler, schedule)
         load_checkpoint(path, engine=engine, model=model, scheduler=scheduler, layout=layout,
                         seed=seed, state=state, log=say)
+        if note:
+            say(note)
         return state
     if tried:
         raise ResumeError(f"no checkpoint in {ckpt_dir} verifies (tried {', '.join(tried)}); "

@@ -11,12 +11,13 @@ from typing import Optional
 
 
 def setting(default, group: str, help: str, *, megatron: Optional[str] = None, flag: str = "",
-            old: tuple = ()):
+            old: tuple = (), nargs: Optional[str] = None):
     """A training setting: its default, its help-text group, its help, its Megatron-LM flag
     (``megatron``; the command line then spells it that way) and deprecated spellings (``old``,
-    accepted for one release). ``flag`` overrides the spelling derived from the field name."""
+    accepted for one release). ``flag`` overrides the spelling derived from the field name;
+    ``nargs="+"``: the flag takes one or more values (a tuple of strings)."""
     return field(default=default, metadata={"group": group, "help": help, "megatron": megatron,
-                                            "flag": flag, "old": old})
+                                            "flag": flag, "old": old, "nargs": nargs})
 
 
 #: The help's groups, in order: Megatron-LM's (model, parallelism, training, learning rate,
@@ -91,6 +92,15 @@ class TrainConfig:
                             megatron="--min-lr")
     warmup_steps: int = setting(4800, LR, "steps of linear warm-up to --lr",
                                 megatron="--lr-warmup-iters", old=("--warmup-steps",))
+    override_opt_param_scheduler: bool = setting(
+        False, LR, "resuming: continue on this command's learning-rate schedule (--lr, --min-lr, "
+        "--lr-warmup-iters, the run's length) where it differs from the checkpoint's",
+        megatron="--override-opt_param-scheduler")
+    use_checkpoint_opt_param_scheduler: bool = setting(
+        False, LR, "resuming: continue on the checkpoint's learning-rate schedule, ignoring this "
+        "command's --lr, --min-lr, --lr-warmup-iters and length for it (the run still trains "
+        "to --train-iters; past the schedule's end the rate stays at its min-lr)",
+        megatron="--use-checkpoint-opt_param-scheduler")
     # --- checkpointing
     save: Optional[str] = setting(None, CKPT, "write checkpoints into this folder (--keep-last "
                                   "prunes here); without --load the run starts from scratch and "
@@ -114,9 +124,28 @@ class TrainConfig:
                               "its files against its manifest (a warning says so); resuming "
                               "with --load always verifies")
     # --- data
-    data: Optional[str] = setting(None, DATA, "data config YAML (blend of preprocessed prefixes "
-                                  "and the train/valid/test split); required unless --mock-data",
-                                  megatron="--data-path", old=("--data",))
+    data: Optional[tuple] = setting(
+        None, DATA, "the training data: a data config YAML (run/data-*.yaml, or the package's by "
+        "file name), a dataset prefix, or Megatron-LM's blend list W1 PREFIX1 W2 PREFIX2 ... "
+        "(prefixes without weights are weighted by size); required unless --mock-data or "
+        "--train-data-path", megatron="--data-path", old=("--data",), nargs="+")
+    split: Optional[str] = setting(
+        None, DATA, "train,valid,test shares of each --data-path prefix's documents, e.g. "
+        "98,1,1 (default 969,30,1 as Megatron-LM; a data config gives its own split:)",
+        megatron="--split")
+    train_data_path: Optional[tuple] = setting(
+        None, DATA, "training datasets, read whole (a prefix or W1 PREFIX1 ...), instead of "
+        "--data-path with --split", megatron="--train-data-path", nargs="+")
+    valid_data_path: Optional[tuple] = setting(
+        None, DATA, "validation datasets, read whole (with --train-data-path)",
+        megatron="--valid-data-path", nargs="+")
+    test_data_path: Optional[tuple] = setting(
+        None, DATA, "test datasets (with --train-data-path): checked and recorded, not read by "
+        "training", megatron="--test-data-path", nargs="+")
+    no_manifest: bool = setting(
+        False, DATA, "train on datasets without a preprocessing manifest (a Megatron-LM corpus "
+        "not adopted with `aoe-verify-data --adopt`): structure checked, tokenizer "
+        "(--tokenizer-model, else the default) taken on trust, with a warning")
     mock_data: bool = setting(False, DATA, "train on random tokens instead of --data-path (smoke "
                               "and debugging runs)", megatron="--mock-data")
     tokenizer_model: Optional[str] = setting(None, DATA, "if given, the data must have been "
@@ -133,8 +162,11 @@ class TrainConfig:
                                  "none)", megatron="--eval-interval")
     eval_iters: int = setting(4, LOGGING, "global batches per validation-loss evaluation",
                               megatron="--eval-iters")
-    run_dir: str = setting("runs/default", LOGGING, "folder for TensorBoard logs, metrics.jsonl, "
-                           "the resolved config and the run's record")
+    run_dir: Optional[str] = setting(
+        None, LOGGING, "folder for TensorBoard logs, metrics.jsonl, the resolved config and the "
+        "run's record; one run per folder (a resumed run appends; one that resumes no checkpoint "
+        "first moves an earlier run's files to RUN_DIR/previous/<time>/); none: SAVE/run with "
+        "--save or --ckpt-dir (restarts append there), else a new runs/<UTC time>-<preset>")
     # --- faults
     skip_nonfinite: int = setting(0, FAULTS, "skip at most this many steps whose loss or gradient "
                                   "norm is NaN or infinite, over the whole run (resumes included); "

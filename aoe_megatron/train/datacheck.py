@@ -56,7 +56,7 @@ def sample_sha256(path: str, sample: int = SAMPLE_BYTES) -> str:
 
 def dataset_fingerprint(prefix: str, manifest: Optional[dict] = None) -> dict:
     """``manifest``: the dataset's preprocessing manifest when already read."""
-    from aoe_megatron.data.preprocess import read_manifest
+    from aoe_megatron.data.manifest import read_manifest
 
     manifest = read_manifest(prefix) if manifest is None else manifest
     sources = hashlib.sha256("\n".join(s["sha256"] for s in manifest.get("sources", [])).encode())
@@ -77,12 +77,12 @@ def fingerprint(data, manifests: Optional[dict] = None) -> Fingerprint:
     ``"mock"``. ``manifests``: {prefix: manifest} when already read (a resolved run's)."""
     if data is None:
         return MOCK
-    from aoe_megatron.data.blend import DataConfig
+    from aoe_megatron.data.config import DataConfig
 
     cfg = data if isinstance(data, DataConfig) else DataConfig.load(data)
     manifests = manifests or {}
-    weights = [*cfg.weights, *cfg.valid_weights]
-    roles = ["blend"] * len(cfg.weights) + ["valid_blend"] * len(cfg.valid_weights)
+    weights = [*cfg.weights, *cfg.valid_weights, *cfg.test_weights]
+    roles = cfg.roles()
     return {"split": cfg.split, "datasets": [
         {"role": role, "prefix": prefix, "weight": weight,
          **dataset_fingerprint(prefix, manifests.get(prefix))}

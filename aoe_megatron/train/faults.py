@@ -146,6 +146,13 @@ class NonFinitePolicy:
                 f"restarting resumes from it (--skip-nonfinite N skips at most N such steps).")
 
 
+HALTED = "halted.json"
+CLEARED_HALT = "halted.json.cleared"
+"""An earlier attempt's ``halted.json`` once a new attempt starts, until ``train/run_dir.py``
+knows whether this attempt continues that run (then it is deleted) or starts a new one (then it
+is moved aside with the earlier run's files)."""
+
+
 def write_halt_record(run_dir, err: BaseException) -> None:
     """``halted.json`` beside ``finished.json``: a job script must not requeue such a run."""
     import json
@@ -153,12 +160,16 @@ def write_halt_record(run_dir, err: BaseException) -> None:
 
     path = Path(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "halted.json").write_text(json.dumps(
+    (path / HALTED).write_text(json.dumps(
         {"reason": type(err).__name__, "message": str(err)}, indent=2) + "\n")
 
 
 def clear_halt_record(run_dir) -> None:
-    """A new attempt starts: an earlier attempt's ``halted.json`` no longer holds."""
+    """A new attempt starts: an earlier attempt's ``halted.json`` no longer holds (a job script
+    that finds none requeues a crash of this attempt). It is kept as ``CLEARED_HALT``."""
+    import os
     from pathlib import Path
 
-    (Path(run_dir) / "halted.json").unlink(missing_ok=True)
+    path = Path(run_dir) / HALTED
+    if path.is_file():
+        os.replace(path, path.with_name(CLEARED_HALT))

@@ -54,7 +54,8 @@ def _kind(f):
 #: Placeholders in the help (others: N for integers, X for reals).
 METAVARS = {"preset": "NAME|YAML", "arch": "{aoe,moe}", "zero_stage": "{1,2,3}",
             "precision": "{auto,bf16,fp32}", "grad_accum_dtype": "{fp32,bf16}", "save": "DIR",
-            "load": "DIR", "ckpt_dir": "DIR", "load_weights": "STEP_DIR", "data": "YAML",
+            "load": "DIR", "ckpt_dir": "DIR", "load_weights": "STEP_DIR",
+            "data": "YAML|PREFIX", "split": "A,B,C",
             "tokenizer_model": "FILE", "run_dir": "DIR", "inject_nonfinite": "STEPS"}
 
 
@@ -81,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
         metavar = METAVARS.get(f.name, {int: "N", float: "X"}.get(kind))
         if kind is bool:
             group.add_argument(spelling, dest=f.name, action="store_true", default=None, help=text)
+        elif f.metadata.get("nargs"):
+            group.add_argument(spelling, dest=f.name, nargs=f.metadata["nargs"], default=None,
+                               metavar=METAVARS.get(f.name, "PATH"), help=text)
         elif kind is tuple:
             group.add_argument(spelling, dest=f.name, action="append", default=None,
                                metavar="KEY=VALUE", help=text)
@@ -88,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
             group.add_argument(spelling, dest=f.name, type=kind, default=None,
                                required=f.name == "preset", help=text, metavar=metavar)
         for old in f.metadata["old"]:
+            if f.metadata.get("nargs"):  # an old spelling of a list flag takes its one old value
+                kind = str
             group.add_argument(old, dest=f.name, action=_Deprecated, new=spelling, kind=kind,
                                type=None if kind in (bool, tuple) else kind, default=None,
                                metavar=metavar, help=argparse.SUPPRESS)
@@ -110,13 +116,18 @@ def parse_with_preset(argv=None) -> tuple:
     args = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
     args.pop("local_rank", None)
     preset = preset_dict(args["preset"])
-    train_section = preset.get("train", {}) or {}
+    train_section = dict(preset.get("train", {}) or {})
     known = {f.name for f in fields(TrainConfig)}
     unknown = set(train_section) - known
     if unknown:
         raise ValueError(f"unknown train settings {sorted(unknown)} in preset {args['preset']!r}")
     if "model_overrides" in args:
         args["model_overrides"] = tuple(args["model_overrides"])
+    for f in fields(TrainConfig):  # list settings: a preset's single string is a one-item list
+        for source in (args, train_section):
+            if f.metadata.get("nargs") and source.get(f.name) is not None:
+                value = source[f.name]
+                source[f.name] = (value,) if isinstance(value, str) else tuple(value)
     # The run's length is one setting: a length on the command line replaces the preset's.
     if {"train_steps", "train_tokens"} & set(args):
         train_section = {k: v for k, v in train_section.items() if k not in ("train_steps", "train_tokens")}

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from aoe_megatron.runtime import signals
 from aoe_megatron.runtime.distributed import reduce_across_ranks
 from aoe_megatron.runtime.launch import SUMMARY_VAR
 from aoe_megatron.train.config import TrainConfig, adopt_slurm_env
@@ -24,6 +25,7 @@ from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record
 from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.run import Run, parse_run, resolve
+from aoe_megatron.train.run_dir import open_run_dir, resolve_run_dir
 from aoe_megatron.train.setup import Parts, set_up
 from aoe_megatron.train.step import StepResult, train_step
 
@@ -36,17 +38,9 @@ EXIT_FOLDER_HELD = 4
 """Another launch holds the --save folder (``train/lock.py``); nothing was written."""
 
 
-class _StopFlag:
-    """Set by SIGTERM / SIGUSR1; the ranks agree on it in each step's one collective
-    (``step.agree_on_step``)."""
-
-    def __init__(self):
-        self.raised = False
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.raised = True
+def _with_run_dir(run: Run) -> Run:
+    """``run`` with its run directory resolved (``train/run_dir.py``; rank 0 only)."""
+    return replace(run, cfg=replace(run.cfg, run_dir=resolve_run_dir(run.cfg)))
 
 
 def _record_run(run: Run, run_dir: Path) -> None:
@@ -77,7 +71,7 @@ class EndOfStep:
     """After each step, on every rank: judge a non-finite step, report, validate, save, and
     say whether the run stops here."""
 
-    def __init__(self, parts: Parts, reporter, run_dir: Path):
+    def __init__(self, parts: Parts, reporter, run_dir: Path | None):
         self.parts, self.reporter, self.run_dir = parts, reporter, run_dir
         self.run, self.cfg = parts.run, parts.run.cfg
         self.losses: dict = {}
@@ -159,25 +153,38 @@ class EndOfStep:
 
 def train(run) -> dict:
     """Run (or resume) training; every rank calls this with the same resolved run
-    (``train.run.Run``; a ``TrainConfig`` is resolved here). Returns a summary on rank 0."""
+    (``train.run.Run``; a ``TrainConfig`` is resolved here). Returns a summary on rank 0.
+    The stop signals mean what ``runtime/signals.py`` says while it runs."""
+    stop = signals.stop_signals()
+    if stop.active:  # main() holds them
+        return _train(run, stop)
+    with stop:
+        return _train(run, stop)
+
+
+def _train(run, stop) -> dict:
     from aoe_megatron.train.metrics import Reporter
 
     if isinstance(run, TrainConfig):
         run = resolve(run)
-    cfg = run.cfg
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        run = _with_run_dir(run)  # config.json and the checkpoints record it
+    cfg = run.cfg
     if cfg.mock_data and rank == 0:
         print("WARNING: --mock-data: training on random tokens, not a corpus (smoke and debugging "
               "runs only)", flush=True)
-    stop = _StopFlag()
-    parts = set_up(run, rank=rank)
-    run_dir = Path(cfg.run_dir)
+    parts = set_up(run, rank=rank)  # until the first step, SIGTERM ends the process
+    run_dir = None  # rank 0's alone (train/run_dir.py)
     if rank == 0:
+        run_dir = Path(cfg.run_dir)
+        open_run_dir(run_dir, resumed=parts.start > 0, say=lambda m: print(m, flush=True))
         _record_run(run, run_dir)
     reporter = Reporter(run_dir, total_steps=run.steps,
                         tokens_per_step=cfg.global_batch_size * run.model.seq_length,
                         enabled=rank == 0)
     end = EndOfStep(parts, reporter, run_dir)
+    stop.training = True  # from here SIGTERM / SIGUSR1 mean: save after this step, then stop
     try:
         for step in range(parts.start, run.steps):
             log = (step + 1) % cfg.log_interval == 0 or step + 1 == run.steps
@@ -198,6 +205,19 @@ def train(run) -> dict:
 
 
 def main(argv=None) -> int:
+    """``aoe-train``: 0 finished or stopped after saving, 2 bad settings, 3 halted, 4 folder
+    held, 128 + N ended by signal N (SIGINT at any time; SIGTERM before the first step)."""
+    try:
+        with signals.stop_signals():
+            return _main(argv)
+    except signals.Interrupted as err:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{err}: ended before the run finished; nothing was saved since the last "
+                  f"checkpoint", file=sys.stderr, flush=True)
+        return err.code
+
+
+def _main(argv=None) -> int:
     adopt_slurm_env()  # a bare srun: RANK / WORLD_SIZE / LOCAL_RANK from Slurm's variables
     try:
         run = parse_run(argv)  # read and validated once, before any process group starts
@@ -209,6 +229,8 @@ def main(argv=None) -> int:
 
     adopt_single_process_env()
     rank0 = int(os.environ.get("RANK", "0")) == 0
+    if rank0:
+        run = _with_run_dir(run)  # before the lock's lease and the halt record name it
     held = None
     if rank0 and run.cfg.save_dir():  # one writer per checkpoint folder, before anything is written
         from aoe_megatron.train.lock import FolderHeld, FolderLock

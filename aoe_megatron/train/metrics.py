@@ -6,7 +6,9 @@ metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux
 ``layers`` is filled on logging steps only (``--log-interval``; its all-reduce is skipped on
 the others) and empty on the rest. A step with a non-finite loss or gradient norm has ``{"kind": "nonfinite", "step", "action":
 "skipped"|"stopped", "loss", "grad_norm", "skipped", "limit"}`` instead of its train line.
-A resumed run appends: a step logged twice (before and after a restart) keeps its last line.
+A resumed run appends: a step logged twice (before and after a restart) keeps its last line. A run
+that resumes no checkpoint starts a file of its own (an earlier run's is moved aside first:
+``train/run_dir.py``).
 """
 
 from __future__ import annotations

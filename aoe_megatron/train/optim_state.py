@@ -236,6 +236,26 @@ def restore_schedule(scheduler, last_epoch: int) -> None:
         scheduler.step()
 
 
+def schedule_in_force(scheduler):
+    """The ``schedule.Schedule`` a LambdaLR runs on (its factor), or None for another factor."""
+    from aoe_megatron.train.schedule import Schedule
+
+    factors = getattr(scheduler, "lr_lambdas", None) or [None]
+    return factors[0] if isinstance(factors[0], Schedule) else None
+
+
+def use_schedule(scheduler, schedule) -> None:
+    """Put ``schedule`` (a ``schedule.Schedule``) in force in a LambdaLR at its position: its
+    factor in every parameter group and its peak as every group's base rate (``initial_lr``, the
+    scheduler's ``base_lrs``), so that each step's rate is ``schedule.lr_at(step)``."""
+    groups = scheduler.optimizer.param_groups
+    for group in groups:
+        group["initial_lr"] = schedule.lr
+    scheduler.base_lrs = [schedule.lr] * len(groups)
+    scheduler.lr_lambdas = [schedule] * len(groups)
+    restore_schedule(scheduler, scheduler.last_epoch)
+
+
 def rng_state() -> dict:
     """This rank's random generators: torch's CPU (and CUDA) state and megatron-core's tracker."""
     from megatron.core import tensor_parallel

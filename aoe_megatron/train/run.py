@@ -39,8 +39,10 @@ class Run:
         return next(iter(self.manifests.values()), None)
 
     def record(self) -> dict:
-        """The resolved settings: config.json, and every checkpoint's record of them."""
-        return {"train": asdict(self.cfg), "model": asdict(self.model)}
+        """The resolved settings: config.json, and every checkpoint's record of them (the data
+        config with absolute prefixes, so that its readers work from any folder)."""
+        return {"train": asdict(self.cfg), "model": asdict(self.model),
+                "data": None if self.data is None else self.data.to_dict()}
 
 
 def parse_run(argv=None, world_size: Optional[int] = None) -> Run:
@@ -66,12 +68,17 @@ def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
     beyond = [s for s in parse_steps(cfg.inject_nonfinite) if s > steps]
     if beyond:
         raise ValueError(f"--inject-nonfinite step {beyond[0]} is beyond the run's {steps} steps")
-    if cfg.data is None and not cfg.mock_data:
-        raise ValueError("no --data-path: give a data config (run/data-*.yaml), or --mock-data to "
-                         "train on random tokens (smoke and debugging runs only)")
-    if cfg.data is not None and cfg.mock_data:
-        raise ValueError("--data-path and --mock-data exclude each other")
-    data, manifests = _read_data(cfg, model)
+    given = [flag for flag, value in (("--data-path", cfg.data), ("--split", cfg.split),
+                                      ("--train-data-path", cfg.train_data_path),
+                                      ("--valid-data-path", cfg.valid_data_path),
+                                      ("--test-data-path", cfg.test_data_path)) if value]
+    if not given and not cfg.mock_data:
+        raise ValueError("no --data-path: give a data config (run/data-*.yaml), a dataset prefix "
+                         "(Megatron-LM's forms work too), or --mock-data to train on random "
+                         "tokens (smoke and debugging runs only)")
+    if given and cfg.mock_data:
+        raise ValueError(f"{given[0]} and --mock-data exclude each other")
+    data, manifests = _read_data(cfg, model, steps)
     return Run(cfg=cfg, model=model, world_size=world, steps=steps, data=data,
                manifests=manifests)
 
@@ -95,6 +102,10 @@ def _check_settings(cfg: TrainConfig) -> None:
             raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
     if (cfg.train_steps is None) == (cfg.train_tokens is None):
         raise ValueError("give exactly one of --train-iters and --train-tokens")
+    if cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler:
+        raise ValueError("--override-opt_param-scheduler (this command's learning-rate schedule) "
+                         "and --use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
+                         "each other: give one")
     if cfg.keep_last < 0:
         raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got "
                          f"{cfg.keep_last}")
@@ -150,20 +161,31 @@ def _on_rank0(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def _read_data(cfg: TrainConfig, model: ModelConfig) -> tuple:
+def _read_data(cfg: TrainConfig, model: ModelConfig, steps: int) -> tuple:
     """(DataConfig, {prefix: manifest}), each file read once; (None, {}) for mock data."""
-    if cfg.data is None:
+    if cfg.mock_data:
         return None, {}
-    from aoe_megatron.data.blend import DataConfig, check_manifests, read_manifests
+    from aoe_megatron.data.blend import check_manifests, read_manifests
+    from aoe_megatron.data.config import DataConfig
     from aoe_megatron.data.integrity import check_datasets
+    from aoe_megatron.data.splits import check_splits
     from aoe_megatron.data.tokenizer import sha256_of
 
-    data = DataConfig.load(cfg.data)
-    manifests = read_manifests(data.prefixes)
+    data = DataConfig.from_args(cfg.data, split=cfg.split, train=cfg.train_data_path,
+                                valid=cfg.valid_data_path, test=cfg.test_data_path)
+    manifests = read_manifests(data.prefixes, no_manifest=cfg.no_manifest,
+                               tokenizer_model=cfg.tokenizer_model, say=_on_rank0)
     check_datasets(manifests, say=_on_rank0)  # sizes and .idx against .bin: a few bytes a file
     sha = sha256_of(cfg.tokenizer_model) if cfg.tokenizer_model else None
     first = check_manifests(data.prefixes, sha, manifests=manifests)
     if first["tokenizer"]["vocab_size"] > model.vocab_size:
         raise ValueError(f"the data's tokenizer has {first['tokenizer']['vocab_size']} ids but "
                          f"the model's vocabulary is {model.vocab_size}")
+    if not first["policy"]["append_eod"]:
+        raise ValueError(f"{data.prefixes[0]} holds documents without an EOD token after each "
+                         f"(its manifest: append_eod false): training needs them separated. "
+                         f"Preprocess again with --append-eod")
+    valid = data.valid_blend[0] if data.valid_blend else data.train_blend[0]
+    check_splits([data.train_blend[0] if steps else [], valid if cfg.eval_interval else [], []],
+                 split=data.split, sample_tokens=model.seq_length + 1)
     return data, manifests

@@ -52,7 +52,7 @@ def set_up(run: Run, *, rank: int) -> Parts:
     from aoe_megatron.train.engine import build_engine
     from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
     from aoe_megatron.train.metrics import attach_stock_router_stats
-    from aoe_megatron.train.schedule import lr_lambda
+    from aoe_megatron.train.schedule import run_schedule
 
     cfg, world = run.cfg, run.world_size
     init_megatron(rank=rank, world_size=world, expert_parallel_size=cfg.expert_parallel_size,
@@ -71,9 +71,8 @@ def set_up(run: Run, *, rank: int) -> Parts:
         weight_decay=cfg.weight_decay, micro_batch=cfg.micro_batch_size, grad_accum=run.grad_accum,
         ep_size=cfg.expert_parallel_size, num_experts=run.model.num_experts, bf16=bf16,
         grad_accum_dtype=cfg.grad_accum_dtype, clip_grad=cfg.clip_grad,
-        lr_schedule=lr_lambda(peak=cfg.lr, final=cfg.min_lr,
-                              warmup_steps=min(cfg.warmup_steps, run.steps - 1),
-                              total_steps=run.steps),
+        lr_schedule=run_schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                                 total_steps=run.steps),  # a resume may retarget it
     )
     bound_collective_waits(cfg.distributed_timeout_minutes)  # DeepSpeed's groups too
     MoEAuxLossAutoScaler.set_loss_scale(
