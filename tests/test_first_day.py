@@ -234,9 +234,11 @@ def test_a_forked_childs_signals_stay_in_the_child():
     """A forked child (a worker pool, the checkpoint writer) inherits the wakeup fd and the
     handlers: its SIGTERM must end it, not reach the trainer's watchdog."""
     script = """
-import os, signal, time
-from aoe_megatron.runtime.signals import StopSignals
-with StopSignals(grace_s=0.2):
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("signals", sys.argv[1])  # not the whole package
+signals = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(signals)
+with signals.StopSignals(grace_s=0.2):
     pid = os.fork()
     if pid == 0:
         time.sleep(30)
@@ -247,6 +249,7 @@ with StopSignals(grace_s=0.2):
     time.sleep(1.0)  # the watchdog's grace, five times over
     print("child", os.waitstatus_to_exitcode(status), "parent alive")
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", script,
+                          str(ROOT / "aoe_megatron" / "runtime" / "signals.py")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0 and "child -15 parent alive" in out.stdout, out.stderr[-2000:]
