@@ -231,25 +231,32 @@ def test_a_checkpoints_data_record_is_found_from_any_folder(small, tmp_path, mon
 
 
 def test_a_forked_childs_signals_stay_in_the_child():
-    """A forked child (a worker pool, the checkpoint writer) inherits the wakeup fd and the
-    handlers: its SIGTERM must end it, not reach the trainer's watchdog."""
+    """A child forked during training (megatron's checkpoint writers, a worker pool) inherits
+    the wakeup fd and the handlers: a SIGTERM to it must neither reach the trainer's watchdog nor
+    end the child (a writer must outlive the SIGTERM Slurm sends every process of the step)."""
     script = """
 import importlib.util, os, signal, sys, time
 spec = importlib.util.spec_from_file_location("signals", sys.argv[1])  # not the whole package
 signals = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(signals)
-with signals.StopSignals(grace_s=0.2):
+def child_of_sigterm(stop, training):
+    stop.training = training
     pid = os.fork()
     if pid == 0:
-        time.sleep(30)
-        os._exit(0)
+        time.sleep(3)
+        os._exit(7)
     time.sleep(0.3)
     os.kill(pid, signal.SIGTERM)
     _, status = os.waitpid(pid, 0)
     time.sleep(1.0)  # the watchdog's grace, five times over
-    print("child", os.waitstatus_to_exitcode(status), "parent alive")
+    return os.waitstatus_to_exitcode(status)
+with signals.StopSignals(grace_s=0.2) as stop:
+    before = child_of_sigterm(stop, False)  # before training, the child ends (Interrupted)
+    during = child_of_sigterm(stop, True)   # during training, it outlives the SIGTERM
+    print("children", before, during, "parent alive", stop.raised)
 """
     out = subprocess.run([sys.executable, "-c", script,
                           str(ROOT / "aoe_megatron" / "runtime" / "signals.py")],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert out.returncode == 0 and "child -15 parent alive" in out.stdout, out.stderr[-2000:]
+    assert out.returncode == 0 and "children 1 7 parent alive False" in out.stdout, (
+        out.stdout + out.stderr[-2000:])

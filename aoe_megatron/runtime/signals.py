@@ -14,9 +14,10 @@ would never end. So the handler's exception is backed by a watchdog thread that 
 signal through ``signal.set_wakeup_fd`` even while the main thread is stuck, and ends the
 process with ``os._exit(128 + signal)`` when it has not ended ``GRACE_S`` seconds later.
 
-NOTE: a forked child inherits the wakeup fd (it would report the child's signals to the
-parent's watchdog: a worker pool terminated with SIGTERM would end the trainer) and the
-handlers; ``os.register_at_fork`` drops both in the child.
+NOTE: a forked child inherits the wakeup fd: it would report the child's signals to the
+parent's watchdog (a worker pool terminated with SIGTERM would end the trainer), so
+``os.register_at_fork`` drops it in the child. The child keeps the handlers, as before this
+module: megatron's checkpoint writers, forked during a save, outlive Slurm's warning SIGTERM.
 """
 
 from __future__ import annotations
@@ -96,16 +97,14 @@ class StopSignals:
                 os._exit(128 + ending[0])
 
     def _forget_in_child(self) -> None:
-        """After a fork, in the child: no wakeup fd into the parent's pipe, none of our
-        handlers (a handler the parent set to SIG_IGN meanwhile stays so)."""
+        """After a fork, in the child: no wakeup fd into the parent's pipe (the child's signals
+        are its own). The handlers stay as inherited: a checkpoint writer forked during training
+        must outlive the SIGTERM Slurm sends every process of the step, as the parent does."""
         self.active = False
         try:
             old = signal.set_wakeup_fd(-1)
             if old != self._write_fd:
                 signal.set_wakeup_fd(old)
-            for sig, default in DEFAULTS.items():
-                if signal.getsignal(sig) == self._handle:
-                    signal.signal(sig, default)
         except ValueError:  # not the main thread of the child: leave it
             pass
 
