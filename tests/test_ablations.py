@@ -357,7 +357,8 @@ def _train_step(name: str, ep: int) -> float:
     return loss.item()
 
 
-@pytest.mark.parametrize("name", ABLATIONS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.legs)
+                                  if n.startswith(("topp", "expert_choice")) else n for n in ABLATIONS])
 def test_every_ablation_preset_trains_a_step_at_ep1(name, megatron_world):
     _train_step(name, 1)
 
@@ -367,7 +368,51 @@ def _all_presets_at_ep2(rank, world_size):
         _train_step(name, 2)
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_every_ablation_preset_trains_a_step_at_ep2():
     run_distributed(_all_presets_at_ep2, 2)
+
+
+def _dispatch_and_combine(routing_TE, x_TD, *, variable_count: bool):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from aoe_megatron.moe.dispatcher import PairCountingAlltoAllTokenDispatcher
+
+    e = routing_TE.shape[1]
+    tc = make_transformer_config(d_model=x_TD.shape[1], num_experts=e, top_k=1)
+    disp = PairCountingAlltoAllTokenDispatcher(e, list(range(e)), config=tc,
+                                               pg_collection=get_default_pg_collection())
+    disp.variable_count = variable_count
+    h, p = disp.dispatch_preprocess(x_TD.unsqueeze(1), routing_TE, routing_TE.float())
+    h, p = disp.token_dispatch(h, p)
+    h, counts, p = disp.dispatch_postprocess(h, p)
+    out = disp.combine_postprocess(disp.token_combine(disp.combine_preprocess(h)))
+    return out.squeeze(1), counts
+
+
+@pytest.mark.legs
+def test_every_pair_is_dispatched_when_tokens_get_any_number_of_experts(megatron_world):
+    """Top-p and expert choice give a token any number of experts (here 0 to 4 at top_k 1):
+    every selected pair reaches its expert and comes back, so dispatch then combine sums each
+    token once per expert. megatron-core 0.19.2's dropless permute keeps exactly T * top_k rows
+    unless the dispatcher counts the pairs (0.16.1 kept them all either way)."""
+    from aoe_megatron.runtime.versions import mcore_at_least
+
+    routing_TE = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 1, 1],
+                               [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    x_TD = torch.randn(6, 8)
+    out, counts = _dispatch_and_combine(routing_TE, x_TD, variable_count=True)
+    assert counts.tolist() == routing_TE.sum(0).tolist()
+    assert_close(out, x_TD * routing_TE.sum(1, keepdim=True))
+    if not mcore_at_least("0.17"):
+        uncounted, _ = _dispatch_and_combine(routing_TE, x_TD, variable_count=False)
+        assert_close(uncounted, x_TD * routing_TE.sum(1, keepdim=True))
+        return
+    try:  # T * top_k = 6 of the 12 pairs kept: wrong rows, or (here) sizes that disagree
+        uncounted, _ = _dispatch_and_combine(routing_TE, x_TD, variable_count=False)
+    except RuntimeError as exc:
+        assert "split" in str(exc), exc
+    else:
+        assert not torch.allclose(uncounted, x_TD * routing_TE.sum(1, keepdim=True))

@@ -18,6 +18,8 @@ from tests.helpers import (
     singleton_pg_collection,
 )
 
+pytestmark = pytest.mark.legs  # checkpoints reshard across EP on each release
+
 E, D, R, W = 4, 16, 6, 20
 NAMES = ("w_up", "w_p", "w_o")
 

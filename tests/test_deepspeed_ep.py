@@ -21,10 +21,9 @@ def _train(rank, world_size, zero_stage, ep, out_dir):
 
 def _train_arch(rank, world_size, arch, zero_stage, ep, out_dir):
     import torch.distributed as dist
-    from megatron.core.transformer.moe.moe_utils import (
-        MoEAuxLossAutoScaler,
-        clear_aux_losses_tracker,
-    )
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from aoe_megatron.moe import loss_tracker
 
     from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
     from aoe_megatron.train.engine import build_engine
@@ -46,7 +45,7 @@ def _train_arch(rank, world_size, arch, zero_stage, ep, out_dir):
             loss = engine(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).mean()
             engine.backward(loss)
             engine.step()
-            clear_aux_losses_tracker()
+            loss_tracker.clear()
             step_loss += loss.detach() / GAS
         dist.all_reduce(step_loss)
         losses.append(step_loss.item() / world_size)
@@ -54,6 +53,7 @@ def _train_arch(rank, world_size, arch, zero_stage, ep, out_dir):
         (out_dir / f"{arch}_z{zero_stage}_ep{ep}.json").write_text(json.dumps(losses))
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("zero_stage", [1, 2])
@@ -67,6 +67,7 @@ def test_ep2_trains_like_ep1(tmp_path, zero_stage):
         assert ep1[-1] < ep1[0], arch  # it does train
 
 
+@pytest.mark.legs
 def test_zero3_with_expert_parallelism_is_refused():
     from aoe_megatron.train.engine import check_zero_and_ep
 

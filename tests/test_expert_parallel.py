@@ -77,6 +77,7 @@ def _check_ep_equals_ep1(rank, world_size, num_experts, top_k, expert_backend="a
                          msg=f"{where} grad W_down", **tol)
 
 
+@pytest.mark.legs
 @pytest.mark.distributed
 def test_ep2_equals_ep1():
     run_distributed(_check_ep_equals_ep1, 2, 4, 2)
@@ -88,6 +89,7 @@ def test_ep4_equals_ep1():
     run_distributed(_check_ep_equals_ep1, 4, 8, 2)
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ep2_equals_ep1_with_padded_and_autograd_experts():

@@ -7,14 +7,15 @@ import torch
 
 from aoe_megatron.models.gpt import load_preset
 
+pytestmark = pytest.mark.legs  # the GPT models build and learn on each release
+
 
 def train_fixed_batch(cfg, *, steps: int = 30, lr: float = 3e-3, batch_size: int = 4,
                       seed: int = 0) -> list[float]:
     """``cfg`` trained for ``steps`` plain AdamW steps on one fixed random batch (no DeepSpeed:
     the model alone); returns the LM losses. Needs megatron's parallel state."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
     from aoe_megatron.models.gpt import build_gpt_model
+    from aoe_megatron.moe import loss_tracker
 
     torch.manual_seed(seed)
     model = build_gpt_model(cfg)
@@ -30,7 +31,7 @@ def train_fixed_batch(cfg, *, steps: int = 30, lr: float = 3e-3, batch_size: int
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        clear_aux_losses_tracker()
+        loss_tracker.clear()
         losses.append(loss.item())
     return losses
 

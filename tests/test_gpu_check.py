@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,11 @@ STEPS = ["environment", "gpu-tests", "train-resume", "bf16-accumulation", "check
 
 
 def _check(tmp_path, *flags, timeout=600, **env):
-    env = {**os.environ, "OMP_NUM_THREADS": "2", **env}
+    from aoe_megatron.runtime.versions import installed_mcore
+
+    # this leg's Python and megatron-core (the script's default is 0.19.2's virtualenv)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PY": sys.executable,
+           "GPU_CHECK_MCORE": installed_mcore(), **env}
     env.pop("OUT", None)
     return subprocess.run(["bash", "tools/gpu_check.sh", *flags, "--out", str(tmp_path)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)

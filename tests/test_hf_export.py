@@ -46,6 +46,7 @@ def _all_tensors(step_dir: Path) -> dict:
     return {key: reader.read(key) for key in reader.tensors()}
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("arch", ["aoe", "moe"])
@@ -115,6 +116,7 @@ def test_sharded_safetensors_load_the_same(tmp_path, trained_checkpoint):
         torch.testing.assert_close(one(ids).logits, many(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.legs
 def test_exported_tokenizer_is_the_preprocessing_tokenizer(corpus, tmp_path):
     """Encodes like aoe-preprocess, BOS policy included, without a checkpoint."""
     from transformers import AutoTokenizer
@@ -309,6 +311,7 @@ def test_exported_aoe_model_runs_the_evaluation(tmp_path, trained_checkpoint):
     assert lm.tok_encode("Question: hot?")[0] == lm.tokenizer.bos_token_id == 1
 
 
+@pytest.mark.legs
 def test_aoe_expert_bias_crosses_both_ways(corpus, tmp_path, megatron_world):
     """AoE with its norm bias (aux-loss-free balancing): a Hugging Face model with nonzero biases,
     imported, computes the same logits in megatron-core (the bias chooses the experts on both

@@ -9,6 +9,8 @@ from torch.testing import assert_close
 
 from tests.helpers import build_aoe_layer, make_transformer_config, reference_aoe
 
+pytestmark = pytest.mark.legs  # the layer against Algorithm 2, on each CI leg
+
 D, F_FFN, E, K, R, W = 16, 32, 4, 2, 6, 20
 
 

@@ -16,17 +16,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aoe_megatron"
 
 #: room -> the rooms its modules may import (the package's own ``__init__`` is open to all).
 ALLOWED = {
-    "runtime": set(),
+    "patches": set(),
+    "runtime": {"patches"},
     "moe": {"runtime"},
     "models": {"moe", "runtime"},
     "data": {"runtime"},
-    "train": {"data", "models", "moe", "runtime"},
+    "train": {"data", "models", "moe", "patches", "runtime"},
     "hf": {"data", "models", "moe", "runtime"},
     "evaluation": {"data", "hf", "models", "runtime"},
     "bench": {"models", "moe", "runtime", "train"},
     "study": {"data", "evaluation", "hf", "models", "moe", "runtime", "train"},
     "cli": {"bench", "data", "evaluation", "hf", "models", "moe", "runtime", "study", "train"},
 }
+#: Modules that import nothing of the package and are open to every room: which megatron-core
+#: releases are supported, read by the patches below everything else.
+LEAVES = {"aoe_megatron.runtime.versions"}
 #: The flat layout's module names kept as thin aliases for one release, and where they went.
 MOVED = {"aoe_megatron.config": "aoe_megatron.moe.config",
          "aoe_megatron.ops": "aoe_megatron.moe.ops",
@@ -69,9 +73,12 @@ def test_every_room_imports_only_the_rooms_below_it():
     rooms = {_room(m) for m in modules} - {""}
     top_level = {m for m in modules if m.count(".") == 1 and (PACKAGE / f"{_room(m)}.py").is_file()}
     assert rooms - set(ALLOWED) == {_room(m) for m in top_level}, "a room without a rule"
-    wrong = [f"{a} imports {b}" for a, targets in _imports(modules).items() for b in targets
-             if _room(a) in ALLOWED and _room(b) not in ALLOWED[_room(a)] | {_room(a), ""}]
+    edges = _imports(modules)
+    wrong = [f"{a} imports {b}" for a, targets in edges.items() for b in targets
+             if _room(a) in ALLOWED and b not in LEAVES
+             and _room(b) not in ALLOWED[_room(a)] | {_room(a), ""}]
     assert not wrong, wrong
+    assert not any(edges.get(leaf) for leaf in LEAVES), {leaf: edges.get(leaf) for leaf in LEAVES}
 
 
 def test_no_import_circle():
@@ -130,27 +137,33 @@ def test_the_package_itself_imports_none_of_the_deprecated_paths():
     assert not users, users
 
 
-def test_the_install_names_every_package_folder_and_no_top_level_patches():
-    """pyproject.toml lists the packages (the repository's patches/ installs as
-    ``aoe_megatron._patches`` and run/ as ``aoe_megatron._run``, mapped by package-dir): a new
-    room must be added there."""
+def test_the_install_names_every_package_folder():
+    """pyproject.toml lists the packages (run/ installs as ``aoe_megatron._run``, mapped by
+    package-dir; patches are the package's own ``aoe_megatron.patches``): a new room must be
+    added there."""
     import tomllib
 
     config = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
     folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts)
                for p in PACKAGE.rglob("__init__.py")}
-    assert set(config["packages"]) == folders | {"aoe_megatron._patches", "aoe_megatron._run"}
-    assert config["package-dir"] == {"aoe_megatron._patches": "patches", "aoe_megatron._run": "run"}
-    assert "patches" not in config["packages"]
+    assert set(config["packages"]) == folders | {"aoe_megatron._run"}
+    assert config["package-dir"] == {"aoe_megatron._run": "run"}
+    assert not (PACKAGE.parent / "patches").exists()
 
 
-def test_the_patches_load_under_the_package_namespace():
+def test_the_patches_are_a_subpackage_that_never_imports_the_rest_of_the_package():
+    """``aoe_megatron.patches`` imports upstream engines and ``runtime.versions`` only: no room
+    of ours (models, train, ...) comes in through a patch."""
     import aoe_megatron
-    from aoe_megatron import _patches
+    from aoe_megatron import patches
 
-    assert aoe_megatron.apply_patches is _patches.apply_patches
-    assert Path(_patches.__file__).parent.name == "patches"  # the checkout's folder
+    assert aoe_megatron.apply_patches is patches.apply_patches
     assert "patches" not in sys.modules  # no top-level module of that name
+    edges = _imports(_modules())
+    ours = sorted(f"{a} -> {b}" for a, targets in edges.items() if a.startswith("aoe_megatron.patches")
+                  for b in targets if b.startswith("aoe_megatron.")
+                  and not b.startswith(("aoe_megatron.patches", "aoe_megatron.runtime.versions")))
+    assert not ours, ours
 
 
 def _test_module_imports(path: Path) -> list:

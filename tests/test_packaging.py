@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 import aoe_megatron
 
@@ -32,21 +33,52 @@ def _pins(path: Path) -> dict:
     return pins
 
 
-def test_install_requirements_admit_the_pinned_versions_and_pin_megatron_core():
+#: Each CI leg's pins, and the Python it runs on.
+LEGS = {"3.11": ("requirements.txt", "requirements-eval.txt"), "3.12": ("requirements-mcore019.txt",)}
+
+
+@pytest.mark.legs
+@pytest.mark.parametrize("python", sorted(LEGS))
+def test_install_requirements_admit_each_legs_pins_and_pin_megatron_core(python):
+    """pyproject.toml admits every pin of each leg, under that leg's Python (megatron-core by an
+    exact pin per Python), and each megatron-core pinned is a supported release."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = {**_pins(ROOT / "requirements.txt"), **_pins(ROOT / "requirements-eval.txt")}
-    wanted = [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
-                                          for r in extra)]
-    for text in wanted:
+    pins = {k: v for name in LEGS[python] for k, v in _pins(ROOT / name).items()}
+    env = {"python_version": python, "python_full_version": f"{python}.0"}
+    wanted = [Requirement(r) for r in [
+        *project["dependencies"],
+        *(r for extra in project["optional-dependencies"].values() for r in extra)]]
+    wanted = [r for r in wanted if r.marker is None or r.marker.evaluate(env)]
+    extras = {Requirement(r).name for r in project["optional-dependencies"]["eval"]}
+    for req in wanted:
+        name = req.name.lower().replace("_", "-")
+        if name == "numpy" or (python != "3.11" and req.name in extras):
+            continue  # numpy: what torch brings; lm-eval: tested on the first leg only
+        assert name in pins, f"{name} is not pinned in {LEGS[python]}"
+        assert req.specifier.contains(pins[name]), (str(req), pins[name])
+    mcore = [r for r in wanted if r.name == "megatron-core"]
+    assert len(mcore) == 1 and str(mcore[0].specifier) == f"=={pins['megatron-core']}"
+    assert pins["megatron-core"] in aoe_megatron.SUPPORTED_MCORE
+    assert not any(r.name.startswith("apex") for r in wanted)  # the PyPI "apex" is another project
+
+
+def test_each_lower_bound_is_a_version_a_leg_runs():
+    """The floors are true: the lower end of each range is pinned by one of the legs."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = {}
+    for names in LEGS.values():
+        for name in names:
+            for k, v in _pins(ROOT / name).items():
+                pinned.setdefault(k, set()).add(v)
+    for text in [*project["dependencies"], *(r for extra in project["optional-dependencies"].values()
+                                             for r in extra)]:
         req = Requirement(text)
         name = req.name.lower().replace("_", "-")
-        assert name in pins or name == "numpy", f"{name} is not pinned in requirements*.txt"
-        if name in pins:
-            assert req.specifier.contains(pins[name]), (text, pins[name])
-    mcore = next(Requirement(r) for r in project["dependencies"] if r.startswith("megatron-core"))
-    assert str(mcore.specifier) == f"=={aoe_megatron.MEGATRON_CORE_VERSION}"
-    assert pins["megatron-core"] == aoe_megatron.MEGATRON_CORE_VERSION
-    assert not any(r.startswith("apex") for r in wanted)  # the PyPI "apex" is another project
+        floors = [s.version for s in req.specifier if s.operator in (">=", "==")]
+        if name == "numpy" or not floors:
+            continue
+        assert any(Version(v) == Version(floors[0]) for v in pinned[name]), (
+            f"{text}: no leg runs {name} {floors[0]} (pins: {sorted(pinned[name])})")
 
 
 def _import_with_megatron_core(version: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
@@ -59,14 +91,35 @@ def _import_with_megatron_core(version: str, tmp_path: Path, **env) -> subproces
                           env={**os.environ, "PYTHONPATH": str(tmp_path), **env})
 
 
+@pytest.mark.legs
 def test_another_megatron_core_is_refused_at_import(tmp_path):
-    refused = _import_with_megatron_core("0.15.0", tmp_path)
+    refused = _import_with_megatron_core("0.18.0", tmp_path)
     assert refused.returncode != 0
-    assert ("ImportError: aoe-megatron 0.1.0 supports megatron-core 0.16.1 only (its patches are "
-            "written against that release), but megatron-core 0.15.0 is installed: pip install "
-            "megatron-core==0.16.1") in refused.stderr, refused.stderr
-    porting = _import_with_megatron_core("0.15.0", tmp_path, AOE_ALLOW_UNTESTED_MCORE="1")
-    assert porting.returncode == 0 and "going on" in porting.stderr, porting.stderr
+    assert ("ImportError: aoe-megatron supports megatron-core 0.16.1 and 0.19.2 (the releases its "
+            "CI tests; 0.17 and later need Python 3.12), but megatron-core 0.18.0 is installed: "
+            "install a supported one (pip install megatron-core==0.19.2 on Python 3.12, ==0.16.1 "
+            "on 3.11), or set AOE_ALLOW_UNTESTED_MCORE=1 to try this one anyway"
+            ) in refused.stderr, refused.stderr
+    porting = _import_with_megatron_core("0.18.0", tmp_path, AOE_ALLOW_UNTESTED_MCORE="1")
+    assert porting.returncode == 0, porting.stderr
+    assert "going on, with the patches of megatron-core 0.16.1" in porting.stderr, porting.stderr
+
+
+@pytest.mark.legs
+def test_an_untested_release_follows_the_nearest_supported_one_below_it():
+    from aoe_megatron import patches
+    from aoe_megatron.runtime import versions
+
+    assert versions.parse("0.20.0rc1") == (0, 20, 0) and versions.parse("0.19.2+nv") == (0, 19, 2)
+    assert [versions.baseline_release(v) for v in ("0.15.0", "0.18.0", "0.19.2", "0.20.0rc1")] == [
+        "0.16.1", "0.16.1", "0.19.2", "0.19.2"]
+    assert patches.active_patches(versions.baseline_release("0.18.0")) == patches.ALL_PATCHES
+    with pytest.raises(ImportError, match="megatron-core 0.18.0 is installed"):
+        versions.check_mcore("0.18.0")
+    # what our constructors pass on to megatron-core's: only the arguments this release takes
+    newer = versions.installed_mcore() != "0.16.1"
+    assert versions.constructor_kwargs(is_mtp_layer=False, name="decoder.layers.0.mlp") == (
+        {"is_mtp_layer": False, "name": "decoder.layers.0.mlp"} if newer else {})
 
 
 def test_package_data_is_found_through_the_package():
@@ -82,6 +135,7 @@ def test_package_data_is_found_through_the_package():
         load_preset("nope")
 
 
+@pytest.mark.legs
 def test_the_readme_python_example_prints_one_line(tmp_path):
     """README.md's first ```python block, run as a user would (a fresh process, another folder):
     one line for the missing optional kernels, nothing per layer, no upstream warnings."""
@@ -107,7 +161,7 @@ def test_the_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     # folder, and a stale build/ could put deleted modules into the wheel.
     source, wheels = tmp_path / "source", tmp_path / "wheels"
     skip = shutil.ignore_patterns("__pycache__", "*.egg-info")
-    for name in ("aoe_megatron", "patches", "run"):
+    for name in ("aoe_megatron", "run"):
         shutil.copytree(ROOT / name, source / name, ignore=skip)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)

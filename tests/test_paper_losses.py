@@ -15,6 +15,8 @@ from torch.testing import assert_close
 
 from tests.helpers import build_aoe_layer, make_transformer_config
 
+pytestmark = pytest.mark.legs  # L_aux is Eq. 2 for every router, on each release's tracker
+
 ALPHA, E, K, D, T = 0.03, 4, 2, 16, 40
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from aoe_megatron import _patches as patches
-from aoe_megatron._patches import (
+from aoe_megatron import patches
+from aoe_megatron.patches import (
     ALL_PATCHES,
     DEEPSPEED_PATCHES,
     deepspeed_comm_torch,
@@ -32,8 +32,10 @@ from aoe_megatron._patches import (
     mcore_transformer_utils,
     mcore_utils,
 )
+from aoe_megatron.runtime.versions import SUPPORTED_MCORE, installed_mcore
 from tests.helpers import make_transformer_config, run_distributed
 
+pytestmark = pytest.mark.legs  # every patch, on each CI leg
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU patches apply without CUDA only")
 CUDA_MISSING = (AssertionError, RuntimeError)  # "Torch not compiled with CUDA enabled"
 
@@ -42,8 +44,7 @@ CUDA_MISSING = (AssertionError, RuntimeError)  # "Torch not compiled with CUDA e
 def without(patch):
     """All patches but ``patch`` applied; everything re-applied afterwards."""
     patches.revert_patches()
-    patches.check_mcore_version()
-    for p in ALL_PATCHES:
+    for p in patches.active_patches():
         if p is not patch:
             p.apply()
     try:
@@ -59,8 +60,11 @@ def test_every_patch_module_is_registered_and_documented():
     names = {m.name for m in pkgutil.iter_modules(patches.__path__) if m.name.startswith("mcore_")}
     assert names == {p.__name__.split(".")[-1] for p in ALL_PATCHES}
     for p in ALL_PATCHES:
-        assert "0.16.1" in p.__doc__ and "Why:" in p.__doc__ and "What:" in p.__doc__, p.__name__
-        __import__(p.TARGET)  # the upstream file it names exists
+        assert p.VERSIONS and set(p.VERSIONS) <= set(SUPPORTED_MCORE), p.__name__
+        first_line = p.__doc__.splitlines()[0]
+        assert all(v in first_line for v in p.VERSIONS), (p.__name__, first_line)
+        assert "Why:" in p.__doc__ and "What:" in p.__doc__, p.__name__
+        __import__(p.TARGET)  # the upstream file it names exists in the installed release
     names = {m.name for m in pkgutil.iter_modules(patches.__path__) if m.name.startswith("deepspeed_")}
     assert names == {p.__name__.split(".")[-1] for p in DEEPSPEED_PATCHES}
     for p in DEEPSPEED_PATCHES:
@@ -130,12 +134,50 @@ def test_no_torch_compile_wrappers_built_on_the_cpu(mode):
         assert patches.apply_deepspeed_patches()[-1] == "deepspeed_runtime_compiler"
 
 
-def test_refuses_other_megatron_versions(monkeypatch):
-    import megatron.core
+_ROUTER_AT_IMPORT = """
+import sys
+import aoe_megatron  # arms every import hook of this release
+from aoe_megatron.patches import mcore_moe_router
+if sys.argv[1] == "unpatched":  # the router's hook taken back out, mcore_jit's left in
+    sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "name", None) != mcore_moe_router.TARGET]
+import megatron.core.transformer.moe.router
+print("torch._dynamo" in sys.modules, "torch._inductor.compile_fx" in sys.modules)
+"""
 
-    monkeypatch.setattr(megatron.core, "__version__", "0.17.0")
-    with pytest.raises(RuntimeError, match="written for megatron-core 0.16.1"):
-        patches.check_mcore_version()
+
+@cpu_only
+def test_the_router_module_compiles_nothing_at_import():
+    """0.19.2's router.py wraps a kernel in a bare ``@torch.compile`` as it loads: without
+    ``mcore_moe_router``'s hook that loads TorchDynamo and Inductor's compiler; with it, neither.
+    0.16.1 has no such decorator (the hook is off there, and unneeded)."""
+    import subprocess
+    import sys
+
+    def loaded(mode):
+        done = subprocess.run([sys.executable, "-c", _ROUTER_AT_IMPORT, mode], capture_output=True,
+                              text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.split()
+
+    if installed_mcore() not in mcore_moe_router.COMPILED_AT_IMPORT:  # unneeded: nothing to hook
+        import inspect
+
+        from megatron.core.transformer.moe import router
+
+        assert "@torch.compile" not in inspect.getsource(router)
+        return
+    assert loaded("unpatched") == ["True", "True"]
+    assert loaded("patched") == ["False", "False"]
+
+
+def test_the_installed_release_gets_its_patches():
+    """On each CI leg: the release is a supported one, and the patches on are those declaring it
+    (0.19.2 defines moe_utils.te_general_gemm itself; the rest apply to both)."""
+    release = installed_mcore()  # megatron.core.__version__ may carry a "+<git hash>" of the cwd
+    assert release in SUPPORTED_MCORE
+    off = {"0.16.1": set(), "0.19.2": {mcore_moe_utils}}[release]
+    assert set(patches.active_patches()) == set(ALL_PATCHES) - off
+    assert patches.active_patches("0.16.1") == ALL_PATCHES
 
 
 def test_apply_is_idempotent(megatron_world):
@@ -180,8 +222,12 @@ def test_te_general_gemm_missing(megatron_world):
     from megatron.core.transformer.moe.moe_utils import router_gating_linear
 
     x, w = torch.randn(5, 8), torch.randn(4, 8)
-    with without(mcore_moe_utils), pytest.raises(NameError, match="te_general_gemm"):
-        router_gating_linear(x, w, None, torch.float32)
+    with without(mcore_moe_utils):
+        if patches.applies(mcore_moe_utils):  # 0.16.1: NameError without TE
+            with pytest.raises(NameError, match="te_general_gemm"):
+                router_gating_linear(x, w, None, torch.float32)
+        else:  # 0.19.2: unneeded, upstream runs as it is
+            assert_close(router_gating_linear(x, w, None, torch.float32), x @ w.t())
     assert_close(router_gating_linear(x, w, None, torch.float32), x @ w.t())
 
 
@@ -304,11 +350,11 @@ def test_tensor_parallel_mappings_on_gloo():
 _RANK_THEN_SIGKILL = """
 import os, signal, sys
 from multiprocessing import resource_tracker
-from aoe_megatron._patches import mcore_dist_ckpt_results_queue as patch
+from aoe_megatron.patches import mcore_dist_ckpt_results_queue as patch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 if sys.argv[1] == "patched":
     patch.apply()
-queue = filesystem_async._get_write_results_queue()
+queue = getattr(filesystem_async, patch.upstream_name())()
 print(queue._manager._process.pid, resource_tracker._resource_tracker._pid, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """

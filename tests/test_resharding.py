@@ -78,6 +78,7 @@ def from_world2_ep2(tmp_path_factory):
     return tmp, reference
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 def test_world2_ep2_resumes_at_world1_ep1(from_world2_ep2):
     tmp, reference = from_world2_ep2
@@ -86,6 +87,7 @@ def test_world2_ep2_resumes_at_world1_ep1(from_world2_ep2):
     _assert_same_continuation(resumed, reference)
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 def test_world2_ep2_resumes_at_world4_ep2_zero1_and_back(from_world2_ep2):
     """World 2 -> 4 (and ZeRO-2 -> 1), then the reverse: the world-4 run's own checkpoint of step
@@ -142,6 +144,7 @@ def test_resetting_the_adam_moments_changes_the_continuation(from_world2_ep2):
     assert max(later) > 100 * TOL, (reset["losses"], reference["losses"])
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 def test_zero3_checkpoint_resumes_at_another_world_size(tmp_path):
     """ZeRO-3 (EP = 1 only): parameters are partitioned too; they are gathered to save and follow
@@ -191,5 +194,6 @@ def _rng_round_trip(rank, world_size):
     assert not torch.equal(reseeded, first)
 
 
+@pytest.mark.legs
 def test_random_generators_are_restored_exactly():
     run_distributed(_rng_round_trip, 1)

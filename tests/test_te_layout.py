@@ -19,6 +19,7 @@ import functools
 import json
 import re
 from dataclasses import asdict
+from functools import partial
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from aoe_megatron.models import spec as spec_mod
+from aoe_megatron.runtime.versions import mcore_at_least
+
+pytestmark = pytest.mark.legs  # the spec helpers over each release's TE spec
 
 
 class CPUTESpecProvider(TESpecProvider):
@@ -48,15 +52,20 @@ class CPUTESpecProvider(TESpecProvider):
     def column_parallel_layer_norm_linear(self):
         return NormLinear  # TELayerNormColumnParallelLinear
 
-    def layer_norm(self, rms_norm=False, for_qk=False):
+    def layer_norm(self, rms_norm=False, for_qk=False, has_residual=False):  # 0.19: residual fusion (off)
         return WrappedTorchNorm  # TENorm (te.pytorch.RMSNorm)
 
     def core_attention(self):
         return DotProductAttention  # TEDotProductAttention
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm=False):
         assert moe_use_grouped_gemm and not moe_use_legacy_grouped_gemm
-        return TEGroupedMLP, MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear)
+        if not mcore_at_least("0.17"):  # 0.16.1: (module, submodules); later: a builder
+            return TEGroupedMLP, MLPSubmodules(linear_fc1=GroupedLinear, linear_fc2=GroupedLinear)
+        from megatron.core.transformer.moe.experts import GroupedMLPSubmodules
+
+        return partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+            linear_fc1=GroupedLinear, linear_fc2=GroupedLinear, activation_func=self.activation_func()))
 
 
 def stock_te_spec(num_experts: int = 4):
@@ -256,14 +265,13 @@ def test_te_baseline_experts_start_as_the_local_baseline(cpu_te, megatron_world)
     """moe_layer_spec's TE experts hold exactly the local experts' weights (so the local path's EP
     invariance and std carry over), and building them takes the same one seed from the RNG."""
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
-    from megatron.core.transformer.spec_utils import build_module
 
     cfg, tc = _tiny("moe")
 
     def experts(use_te: bool):
         torch.manual_seed(5)
-        spec = spec_mod.moe_layer_spec(cfg.num_experts, use_te=use_te).submodules.mlp.submodules.experts
-        built = build_module(spec, cfg.num_experts, tc, pg_collection=get_default_pg_collection())
+        spec = spec_mod.moe_submodules(spec_mod.moe_layer_spec(cfg.num_experts, use_te=use_te)).experts
+        built = spec_mod.build(spec, cfg.num_experts, tc, pg_collection=get_default_pg_collection())
         return built, torch.rand(4)
 
     (te, te_after), (local, local_after) = experts(True), experts(False)

@@ -55,6 +55,7 @@ def _prefix(tmp_path, name, lines, tokenizer=None):
     return next(iter(preprocess(cfg)))
 
 
+@pytest.mark.legs
 def test_blend_draws_in_configured_proportions(tmp_path, corpus_lines):
     a = _prefix(tmp_path, "a", corpus_lines[:40])
     b = _prefix(tmp_path, "b", corpus_lines[40:80])
@@ -69,6 +70,7 @@ def test_blend_draws_in_configured_proportions(tmp_path, corpus_lines):
     assert len(train) >= 4000 and train[0]["tokens"].shape == (32,)
 
 
+@pytest.mark.legs
 def test_data_config_validation_and_manifest_agreement(tmp_path, corpus_lines):
     with pytest.raises(ValueError, match="non-empty 'blend'"):
         DataConfig.load({"blend": []})

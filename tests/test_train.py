@@ -34,6 +34,7 @@ def _assert_pinned(losses: dict, pinned: dict) -> None:
     assert got == pytest.approx(pinned, rel=1e-6), (got, pinned)
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_path):
@@ -227,6 +228,7 @@ def test_selection_statistics_for_both_architectures(megatron_world, arch):
         assert len(s["mean_norm"]) == cfg.num_experts
 
 
+@pytest.mark.legs
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_bare_single_process_launch_trains_on_mock_data_and_says_so(tmp_path):

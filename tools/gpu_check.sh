@@ -5,31 +5,50 @@
 #
 #   tools/gpu_check.sh [--out DIR]     # on a CUDA machine; DIR defaults to $OUT, else bench/gpu_check
 #   tools/gpu_check.sh --cpu           # the same steps on the CPU at tiny shapes (make test runs it)
+#   GPU_CHECK_MCORE=0.16.1 tools/gpu_check.sh   # on the older supported megatron-core (default 0.19.2)
 #
-# Python: the repo's .venv when there is one, else python3. A machine without megatron-core or
+# Python: PY, else the virtualenv of the CI leg that runs GPU_CHECK_MCORE (.venv-mcore019 for
+# 0.19.2, .venv for 0.16.1) when there is one, else python3; its megatron-core must be that
+# release. A machine without megatron-core or
 # DeepSpeed (the lent GPU machine: Python 3.12, CUDA torch) gets them from the wheels `make
-# gpu-wheels` put into .whl/ (carried there by the device tool), installed into a scratch folder.
+# gpu-wheels` put into .whl/ (carried there by the device tool), installed into a scratch folder:
+# megatron-core at GPU_CHECK_MCORE (0.19.2 unless set; the environment step records the versions).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PY:-$ROOT/.venv/bin/python}"
+MCORE="${GPU_CHECK_MCORE:-0.19.2}"
+# The virtualenv of the leg that runs this megatron-core, where there is one (make setup,
+# make setup-mcore019), else python3.
+case "$MCORE" in
+  0.16.1) VENV_PY="$ROOT/.venv/bin/python" ;;
+  *) VENV_PY="$ROOT/.venv-mcore019/bin/python" ;;
+esac
+PY="${PY:-$VENV_PY}"
 [ -x "$PY" ] || PY="$(command -v python3)"
-SITE="${GPU_CHECK_SITE:-/tmp/aoe-gpu-check-site}"
+SITE="${GPU_CHECK_SITE:-/tmp/aoe-gpu-check-site-$MCORE}"
 
-if ! "$PY" -c 'import megatron.core, deepspeed' 2>/dev/null; then
+if ! "$PY" -c 'import megatron.core, deepspeed' >/dev/null 2>&1; then
   shopt -s nullglob
   wheels=("$ROOT"/.whl/*.whl)
-  if [ ${#wheels[@]} -eq 0 ]; then
-    echo "gpu_check.sh: $PY has no megatron-core/DeepSpeed and there are no wheels in .whl/" \
-         "(run 'make gpu-wheels' and carry .whl)" >&2
+  release=("$ROOT/.whl/megatron-core-$MCORE"/*.whl)
+  if [ ${#wheels[@]} -eq 0 ] || [ ${#release[@]} -eq 0 ]; then
+    echo "gpu_check.sh: $PY has no megatron-core/DeepSpeed and .whl/ has no wheels for" \
+         "megatron-core $MCORE (run 'make gpu-wheels' and carry .whl)" >&2
     exit 2
   fi
+  wheels+=("${release[@]}")
   echo "gpu_check.sh: installing ${#wheels[@]} carried wheels into $SITE"
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$SITE" "${wheels[@]}"
   # the checkout first: its presets and configs sit beside the code (the installed copy of our
   # own package only shows that it installs there)
   export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+found="$("$PY" -c 'import importlib.metadata as m; print(m.version("megatron-core"))' 2>/dev/null || true)"
+if [ "$found" != "$MCORE" ]; then
+  echo "gpu_check.sh: $PY has megatron-core ${found:-(none)}, not $MCORE (GPU_CHECK_MCORE):" \
+       "set GPU_CHECK_MCORE=$found, or PY to a Python with $MCORE" >&2
+  exit 2
 fi
 export PYTHONUNBUFFERED=1
 cd "$ROOT"

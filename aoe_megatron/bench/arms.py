@@ -71,12 +71,10 @@ def transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, us
 
 def build_moe(tc, *, device: str, use_te: bool):
     """megatron-core's own MoE layer, as its GPT layer spec builds it."""
-    from megatron.core.transformer.spec_utils import build_module
-
-    from aoe_megatron.models.spec import moe_layer_spec
+    from aoe_megatron.models.spec import build, moe_layer_spec
 
     spec = moe_layer_spec(tc.num_moe_experts, use_te=use_te)
-    return build_module(spec.submodules.mlp, config=tc, layer_number=1).to(device)
+    return build(spec.submodules.mlp, config=tc, layer_number=1).to(device)
 
 
 def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
@@ -91,14 +89,14 @@ def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
 
 
 def train_step(layer, x, g) -> None:
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    from aoe_megatron.moe import loss_tracker
 
     for p in layer.parameters():
         p.grad = None
     x.grad = None
     out, _ = layer(x)
     (out * g).sum().backward()
-    clear_aux_losses_tracker()
+    loss_tracker.clear()
 
 
 def arm_d_wide(shape: LayerShape, arm: str) -> int:

@@ -67,7 +67,7 @@ def _build(preset: str, overrides: dict, arch: str, *, device: str, dtype: torch
 
 
 def _step_fn(model, opt, inputs, labels, position_ids):
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+    from aoe_megatron.moe import loss_tracker
 
     def step():
         # NOTE: gradients are freed between steps (torch's default, and DeepSpeed ZeRO frees each
@@ -77,7 +77,7 @@ def _step_fn(model, opt, inputs, labels, position_ids):
         loss = model(inputs, position_ids, None, labels=labels).float().mean()
         loss.backward()
         opt.step()
-        clear_aux_losses_tracker()
+        loss_tracker.clear()
 
     return step
 

@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from aoe_megatron.models.settings import RouterSettings
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.moe.router import SelectionRouter
-from aoe_megatron.moe.selection import select_experts, selection_strategies
+from aoe_megatron.moe.dispatcher import PairCountingAlltoAllTokenDispatcher
+from aoe_megatron.moe.selection import select_experts, selection_strategies, selects_top_k_per_token
+from aoe_megatron.runtime.versions import constructor_kwargs, refuse_mtp
 
 GATES = ("linear", "two_layer", "hash")
 
@@ -60,7 +64,9 @@ class RouterConfig(RouterSettings):
 class VariantRouter(SelectionRouter):
     """A replicated gate producing logits [T, E], then a registered selection strategy."""
 
-    def __init__(self, *, config, pg_collection=None, router: RouterConfig) -> None:
+    def __init__(self, *, config, pg_collection=None, router: RouterConfig,
+                 is_mtp_layer: bool = False) -> None:
+        refuse_mtp(is_mtp_layer, "An ablation's router")  # megatron-core 0.17+ passes it
         super().__init__(config, router)
         self.router_config = router
         dev, dtype = target_device(config), config.params_dtype
@@ -119,3 +125,21 @@ def hand_token_ids_to_hash_routers(model) -> None:
             router.token_ids = ids_T
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+class VariantMoELayer(MoELayer):
+    """megatron-core's MoELayer around a ``VariantRouter``: its all-to-all dispatcher counts the
+    (token, expert) pairs where the selection gives a token any number of experts (top-p,
+    expert choice: ``dispatcher.PairCountingAlltoAllTokenDispatcher`` says why)."""
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None,
+                 is_mtp_layer: bool = False, name=None, *, router: RouterConfig):
+        if pg_collection is None:  # megatron-core 0.16.1 passes it to MoELayer itself only
+            pg_collection = get_default_pg_collection()
+        super().__init__(config, submodules, layer_number, pg_collection,
+                         **constructor_kwargs(is_mtp_layer=is_mtp_layer, name=name))
+        if config.moe_token_dispatcher_type == "alltoall":
+            self.token_dispatcher = PairCountingAlltoAllTokenDispatcher(
+                self.num_local_experts, self.local_expert_indices, config=config,
+                pg_collection=pg_collection)
+            self.token_dispatcher.variable_count = not selects_top_k_per_token(router.selection)

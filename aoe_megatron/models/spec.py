@@ -24,6 +24,7 @@ from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, rng_untou
 from aoe_megatron.moe.layer import AoEMoELayer
 from aoe_megatron.models.stock_router import PaperTopKRouter
 from aoe_megatron.moe.router import AoERouter
+from aoe_megatron.runtime.versions import constructor_kwargs
 
 
 def use_transformer_engine() -> bool:
@@ -87,9 +88,10 @@ class EPInvariantSequentialMLP(SequentialMLP):
     The baseline therefore starts with distinct experts, identical at every EP size.
     """
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
         _build_per_global_expert(self, lambda: super(EPInvariantSequentialMLP, self).__init__(
-            num_local_experts, config, submodules, pg_collection=pg_collection), config)
+            num_local_experts, config, submodules, pg_collection=pg_collection,
+            **constructor_kwargs(name=name)), config)
 
 
 class EPInvariantTEGroupedMLP(TEGroupedMLP):
@@ -101,9 +103,10 @@ class EPInvariantTEGroupedMLP(TEGroupedMLP):
     needs TE's GroupedLinear (the spec names it only when TE is usable).
     """
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, name=None):
         _build_per_global_expert(self, lambda: super(EPInvariantTEGroupedMLP, self).__init__(
-            num_local_experts, config, submodules, pg_collection=pg_collection), config)
+            num_local_experts, config, submodules, pg_collection=pg_collection,
+            **constructor_kwargs(name=name)), config)
 
 
 # ----------------------------------------------------------------------------- layer specs
@@ -132,16 +135,44 @@ def _local_spec(num_experts: int) -> ModuleSpec:
     )
 
 
+def moe_submodules(spec: ModuleSpec) -> MoESubmodules:
+    """The MoE layer's submodules in a layer spec: its ``mlp`` is a ModuleSpec in megatron-core
+    0.16.1 and a ``functools.partial(MoELayer, submodules=...)`` from 0.17 on."""
+    mlp = spec.submodules.mlp
+    return mlp.keywords["submodules"] if isinstance(mlp, partial) else mlp.submodules
+
+
+def _builds(builder) -> type:
+    """The class a spec entry builds (a ModuleSpec's module, a partial's function, or a class)."""
+    if isinstance(builder, ModuleSpec):
+        return builder.module
+    return builder.func if isinstance(builder, partial) else builder
+
+
+def build(builder, *args, **kwargs):
+    """Build one entry of a spec: a ModuleSpec through megatron-core's ``build_module``, a class or
+    a ``functools.partial`` (megatron-core 0.17+'s builders) by calling it."""
+    if isinstance(builder, ModuleSpec):
+        from megatron.core.transformer.spec_utils import build_module
+
+        return build_module(builder, *args, **kwargs)
+    return builder(*args, **kwargs)
+
+
 def _swap_experts(spec: ModuleSpec, stock: type, ours: type) -> None:
-    experts = spec.submodules.mlp.submodules.experts
-    if experts.module is not stock:
+    submodules = moe_submodules(spec)
+    experts = submodules.experts
+    if _builds(experts) is not stock:
         hint = (" (a TransformerEngine without GroupedLinear, older than 1.9?): upgrade TE or run "
                 "without it" if stock is TEGroupedMLP else "")
         raise RuntimeError(
-            f"megatron-core's spec gives {experts.module.__name__} experts where {stock.__name__} was "
-            f"expected, so the baseline's experts would not be initialised per global expert{hint}"
+            f"megatron-core's spec gives {_builds(experts).__name__} experts where {stock.__name__} "
+            f"was expected, so the baseline's experts would not be initialised per global expert{hint}"
         )
-    experts.module = ours
+    if isinstance(experts, partial):
+        submodules.experts = partial(ours, *experts.args, **experts.keywords)
+    else:
+        experts.module = ours
 
 
 def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None) -> ModuleSpec:
@@ -153,10 +184,13 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
     if use_te is None:
         use_te = use_transformer_engine()
     if router is not None:
-        from aoe_megatron.models.moe_router import VariantRouter
+        from aoe_megatron.models.moe_router import VariantMoELayer, VariantRouter
 
         spec = moe_layer_spec(num_experts, use_te=use_te)
-        spec.submodules.mlp.submodules.router = partial(VariantRouter, router=router)
+        submodules = moe_submodules(spec)
+        submodules.router = partial(VariantRouter, router=router)
+        spec.submodules.mlp = ModuleSpec(module=VariantMoELayer, submodules=submodules,
+                                         params={"router": router})
         return spec
     if use_te:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
@@ -167,7 +201,7 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
     else:
         spec = _local_spec(num_experts)
         _swap_experts(spec, SequentialMLP, EPInvariantSequentialMLP)
-    spec.submodules.mlp.submodules.router = PaperTopKRouter  # Eq. 2's L_aux (stock_router.py)
+    moe_submodules(spec).router = PaperTopKRouter  # Eq. 2's L_aux (stock_router.py)
     return spec
 
 

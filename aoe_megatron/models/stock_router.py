@@ -21,6 +21,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from aoe_megatron.moe.router import keep_float32
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, rng_untouched, target_device
+from aoe_megatron.runtime.versions import constructor_kwargs
 
 LOAD_BALANCING = "aux_loss"  # megatron-core's name for the switch loss (Eq. 2's form)
 
@@ -34,11 +35,12 @@ class PaperTopKRouter(TopKRouter):
     our DeepSpeed loop does not call: ``train.balance`` does it, for this router and AoE's alike.
     """
 
-    def __init__(self, config, pg_collection=None) -> None:
+    def __init__(self, config, pg_collection=None, is_mtp_layer: bool = False) -> None:
         biased = config.moe_router_enable_expert_bias
         config.moe_router_enable_expert_bias = False  # upstream's CUDA buffers: made below instead
         try:
-            super().__init__(config=config, pg_collection=pg_collection)
+            super().__init__(config=config, pg_collection=pg_collection,
+                             **constructor_kwargs(is_mtp_layer=is_mtp_layer))
         finally:
             config.moe_router_enable_expert_bias = biased
         if biased:

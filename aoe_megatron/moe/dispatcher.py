@@ -28,7 +28,27 @@ def pair_cache(cache_TER: torch.Tensor, routing_map_TE: torch.Tensor) -> torch.T
     return cache_TER.transpose(0, 1)[routing_map_TE.transpose(0, 1)]
 
 
-class AoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+class PairCountingAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron-core's all-to-all dispatcher, for selections where a token gets any number of
+    experts (``variable_count``: top-p, expert choice).
+
+    NOTE: in dropless training upstream sizes the permuted rows statically, T * top_k
+    (``num_out_tokens``). megatron-core 0.16.1's unfused permute ignored that and kept every
+    selected pair; 0.19.2's keeps exactly ``num_out_tokens`` rows (argsort-based, for CUDA
+    graphs), which drops pairs or adds unselected ones when the count varies. Here the count is
+    the routing map's, where it varies (a device-to-host sync, which fixed top-k does without).
+    """
+
+    variable_count = False
+
+    def preprocess(self, routing_map: torch.Tensor):
+        tokens_per_expert = super().preprocess(routing_map)
+        if self.variable_count:
+            self.num_out_tokens = int(routing_map.sum())
+        return tokens_per_expert
+
+
+class AoEAlltoAllTokenDispatcher(PairCountingAlltoAllTokenDispatcher):
     """All-to-all over EP; rows are [x | C_i] in cache mode "send"."""
 
     def dispatch_preprocess(

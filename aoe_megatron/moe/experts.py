@@ -32,7 +32,8 @@ EXPERT_WEIGHTS = ("w_up", "w_p", "w_o")
 class AoEExperts(MegatronModule):
     """This rank's AoE experts: w_up [L, R, W], w_p [L, D, W], w_o [L, W, D]."""
 
-    def __init__(self, num_local_experts: int, config, pg_collection=None, *, aoe: AoEConfig):
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name=None, *,
+                 aoe: AoEConfig):  # name: megatron-core 0.18+ passes it (unused)
         super().__init__(config)
         self.aoe = aoe
         self.num_local_experts = num_local_experts

@@ -16,6 +16,8 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from aoe_megatron.moe.config import AoEConfig
 from aoe_megatron.moe.dispatcher import AoEAllGatherTokenDispatcher, AoEAlltoAllTokenDispatcher
+from aoe_megatron.moe.selection import selects_top_k_per_token
+from aoe_megatron.runtime.versions import constructor_kwargs, refuse_mtp
 
 
 def _check_supported(config, aoe: AoEConfig, pg_collection) -> None:
@@ -44,6 +46,8 @@ class AoEMoELayer(MoELayer):
         submodules: Optional[MoESubmodules] = None,
         layer_number: Optional[int] = None,
         pg_collection=None,
+        is_mtp_layer: bool = False,
+        name: Optional[str] = None,
         *,
         aoe: AoEConfig,
     ):
@@ -53,13 +57,16 @@ class AoEMoELayer(MoELayer):
             pg_collection = get_default_pg_collection()
         _check_supported(config, aoe, pg_collection)
         self.aoe = aoe
-        super().__init__(config, submodules, layer_number, pg_collection)
+        refuse_mtp(is_mtp_layer, "The AoE layer")
+        super().__init__(config, submodules, layer_number, pg_collection,
+                         **constructor_kwargs(name=name))
         cls = {"alltoall": AoEAlltoAllTokenDispatcher, "allgather": AoEAllGatherTokenDispatcher}
         extra = {"d_model": aoe.d_model, "num_experts": aoe.num_experts}
         self.token_dispatcher = cls[aoe.dispatcher](
             self.num_local_experts, self.local_expert_indices, config=config,
             pg_collection=pg_collection, **(extra if aoe.dispatcher == "allgather" else {}),
         )
+        self.token_dispatcher.variable_count = not selects_top_k_per_token(aoe.selection)
         self._pending_cache: Optional[torch.Tensor] = None
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,

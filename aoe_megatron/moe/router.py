@@ -13,16 +13,14 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.moe_utils import (
-    MoEAuxLossAutoScaler,
-    save_to_aux_losses_tracker,
-)
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-from aoe_megatron.moe import autograd
+from aoe_megatron.moe import autograd, loss_tracker
 from aoe_megatron.moe import ops
 from aoe_megatron.moe.config import AoEConfig
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.moe.selection import select_experts
+from aoe_megatron.runtime.versions import refuse_mtp
 
 
 def keep_float32(module, names) -> None:
@@ -94,13 +92,13 @@ class SelectionRouter(MegatronModule):
                                           alpha=s.alpha_aux)
             self.last_aux_loss.copy_(aux.detach())
             probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, aux)
-            save_to_aux_losses_tracker("load_balancing_loss", aux.detach() / s.alpha_aux,
+            loss_tracker.record("load_balancing_loss", aux.detach() / s.alpha_aux,
                                        self.layer_number, self.config.num_layers)
         if s.ent_conf_coeff > 0:
             # Ent_conf regularizer (Huang et al. 2024's dynamic loss): sharpen the confidence.
             ent = (s.ent_conf_coeff * ops.confidence_entropy(probs_kept)).to(probs_TE.dtype)
             probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, ent)
-            save_to_aux_losses_tracker("ent_conf_loss", ent.detach() / s.ent_conf_coeff,
+            loss_tracker.record("ent_conf_loss", ent.detach() / s.ent_conf_coeff,
                                        self.layer_number, self.config.num_layers)
         return probs_TE, sel.routing_map_TE
 
@@ -114,7 +112,8 @@ class AoERouter(SelectionRouter):
     paper's Config 3 "factorized W_g").
     """
 
-    def __init__(self, *, config, pg_collection=None, aoe: AoEConfig) -> None:
+    def __init__(self, *, config, pg_collection=None, aoe: AoEConfig, is_mtp_layer: bool = False) -> None:
+        refuse_mtp(is_mtp_layer, "The AoE router")  # megatron-core 0.17+ passes is_mtp_layer
         super().__init__(config, aoe)
         self.aoe = aoe
         self.weight = torch.nn.Parameter(
@@ -210,6 +209,6 @@ class AoERouter(SelectionRouter):
             target_TE = torch.softmax(norms_TE.detach().float(), dim=-1)
             loss = -(target_TE * torch.log_softmax(logits_TE.float(), dim=-1)).sum(-1).mean()
             probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, (self.aoe.imitation_coeff * loss).to(probs_TE.dtype))
-            save_to_aux_losses_tracker("imitation_loss", loss.detach(), self.layer_number,
-                                       self.config.num_layers)
+            loss_tracker.record("imitation_loss", loss.detach(), self.layer_number,
+                                self.config.num_layers)
         return probs_TE, routing_map_TE

@@ -32,18 +32,29 @@ class Selection:
 
 SelectionFn = Callable[..., Selection]
 _STRATEGIES: Dict[str, SelectionFn] = {}
+_VARIABLE_COUNT: set = set()
 
 
-def register_selection(name: str) -> Callable[[SelectionFn], SelectionFn]:
-    """Decorator: make a strategy available to configurations under ``name``."""
+def register_selection(name: str, *, variable_count: bool = False) -> Callable[[SelectionFn], SelectionFn]:
+    """Decorator: make a strategy available to configurations under ``name``.
+    ``variable_count``: a token gets any number of experts, not exactly top_k."""
 
     def wrap(fn: SelectionFn) -> SelectionFn:
         if name in _STRATEGIES:
             raise ValueError(f"selection strategy {name!r} is registered twice")
         _STRATEGIES[name] = fn
+        if variable_count:
+            _VARIABLE_COUNT.add(name)
         return fn
 
     return wrap
+
+
+def selects_top_k_per_token(name: str) -> bool:
+    """Whether strategy ``name`` gives every token exactly top_k experts (False: top-p, expert
+    choice)."""
+    get_selection(name)
+    return name not in _VARIABLE_COUNT
 
 
 def selection_strategies() -> tuple[str, ...]:
@@ -92,7 +103,7 @@ def softmax_then_topk(norms_TE: torch.Tensor, *, top_k: int, choice_bias_E=None)
     return Selection(probs_TE, mask_TE, scores_TE)
 
 
-@register_selection("top_p")
+@register_selection("top_p", variable_count=True)
 def top_p(norms_TE: torch.Tensor, *, top_k: int, p: float = 0.6) -> Selection:
     """Top-P token choice (Huang et al. 2024, paper Appendix B): per token, the smallest set of
     experts whose softmax probabilities reach ``p`` (at least one); weights are those
@@ -112,7 +123,7 @@ def expert_capacity(num_tokens: int, num_experts: int, capacity_factor: float) -
     return max(1, min(num_tokens, round(capacity_factor * num_tokens / num_experts)))
 
 
-@register_selection("expert_choice")
+@register_selection("expert_choice", variable_count=True)
 def expert_choice(norms_TE: torch.Tensor, *, top_k: int, capacity_factor: float = 2.0) -> Selection:
     """Expert choice (Zhou et al. 2022): every expert takes the ``capacity_factor * T / E`` tokens
     with the highest probability for it (softmax over experts per token); a token may get any

@@ -133,6 +133,16 @@ UNKNOWN_MLP_TYPE = ("Unknown MLP type: <class 'megatron.core.transformer.spec_ut
                     "Using default kwargs.")
 
 
+#: megatron-core 0.19.2's deprecation lines about choices aoe-megatron makes, not its users
+#: (logger -> the message's start), printed on every run otherwise: the GPT model we build is its
+#: GPTModel (HybridModel is its successor), and checkpoints are saved asynchronously by its own
+#: writer (NVIDIA Resiliency Extension's is the successor; not in NGC's PyTorch images).
+UPSTREAM_DEPRECATIONS = {
+    "megatron.core.models.gpt.gpt_model": "GPTModel IS DEPRECATED",
+    "megatron.core.dist_checkpointing.strategies.torch": "MCore's async save is deprecated",
+}
+
+
 class _DropExactly(logging.Filter):
     def __init__(self, message: str):
         super().__init__()
@@ -140,6 +150,11 @@ class _DropExactly(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.getMessage() != self.message
+
+
+class _DropStarting(_DropExactly):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.message)
 
 
 def fallback_note() -> str | None:
@@ -173,11 +188,20 @@ def say_fallback_once() -> None:
 def quiet_cpu_fallback_warnings() -> None:
     """Without CUDA, megatron-core warns on import that TE and apex are missing: expected here
     (``say_fallback_once`` says it in one line). Drops exactly megatron-core's per-layer
-    UNKNOWN_MLP_TYPE, and its warning about a cuda_graph_scope default we never set. Called by
+    UNKNOWN_MLP_TYPE, its warning about a cuda_graph_scope default we never set, and its
+    deprecation lines about our own choices (``UPSTREAM_DEPRECATIONS``). Called by
     ``import aoe_megatron``, before any megatron-core module is imported."""
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     if not torch.cuda.is_available():
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+        # torch's CUDA build on a machine without CUDA, when megatron-core imports cpp_extension
+        extension_logger = logging.getLogger("torch.utils.cpp_extension")
+        if not any(isinstance(f, _DropExactly) for f in extension_logger.filters):
+            extension_logger.addFilter(_DropStarting("No CUDA runtime is found"))
     layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
     if not any(isinstance(f, _DropExactly) for f in layer_logger.filters):
         layer_logger.addFilter(_DropExactly(UNKNOWN_MLP_TYPE))
+    for name, start in UPSTREAM_DEPRECATIONS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropStarting) and f.message == start for f in logger.filters):
+            logger.addFilter(_DropStarting(start))

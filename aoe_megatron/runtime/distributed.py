@@ -111,7 +111,7 @@ def init_megatron(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from aoe_megatron._patches import apply_patches
+    from aoe_megatron.patches import apply_patches
     from aoe_megatron.runtime.compat import say_fallback_once
 
     apply_patches()

@@ -51,10 +51,11 @@ def child_env(extra: Optional[dict] = None, *, threads: Optional[int] = None) ->
 
 
 def start(args: Sequence, *, nproc: int = 1, env: Optional[dict] = None, threads=None,
-          cwd=None, stdout=subprocess.PIPE, module: str = TRAIN) -> subprocess.Popen:
+          cwd=None, stdout=subprocess.PIPE, module: str = TRAIN,
+          python: str = sys.executable) -> subprocess.Popen:
     """Start the run without waiting; its stderr goes where its stdout does (``stdout``: PIPE or
-    an open file)."""
-    return subprocess.Popen(command(args, nproc=nproc, module=module),
+    an open file). ``python``: another environment's interpreter (the other CI leg's)."""
+    return subprocess.Popen(command(args, nproc=nproc, module=module, python=python),
                             env=child_env(env, threads=threads), cwd=cwd, stdout=stdout,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -79,13 +80,15 @@ class Finished:
 
 
 def run(args: Sequence, *, nproc: int = 1, env: Optional[dict] = None, threads=None, cwd=None,
-        timeout: float = 600, summary: Optional[Path] = None, module: str = TRAIN) -> Finished:
+        timeout: float = 600, summary: Optional[Path] = None, module: str = TRAIN,
+        python: str = sys.executable) -> Finished:
     """Run to the end (killed after ``timeout`` seconds); ``summary``: where rank 0 writes its
     summary (see ``Finished.summary``)."""
     extra = dict(env or {})
     if summary is not None:
         extra[SUMMARY_VAR] = str(summary)
-    proc = start(args, nproc=nproc, env=extra, threads=threads, cwd=cwd, module=module)
+    proc = start(args, nproc=nproc, env=extra, threads=threads, cwd=cwd, module=module,
+                 python=python)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

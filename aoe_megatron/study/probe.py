@@ -122,13 +122,16 @@ class ExpertForcing:
         self.layers, self.force, self.record, self.norms = list(layers), None, False, {}
 
     def __enter__(self):
+        self.counted = [layer.token_dispatcher.variable_count for layer in self.layers]
         for i, layer in enumerate(self.layers):
             layer.route = self._wrap(i, layer, layer.route)
+            layer.token_dispatcher.variable_count = True  # a forced layer has 1 expert per token
         return self
 
     def __exit__(self, *exc):
-        for layer in self.layers:
+        for layer, counted in zip(self.layers, self.counted):
             del layer.route  # back to the class's method
+            layer.token_dispatcher.variable_count = counted
 
     def _wrap(self, index: int, layer, original):
         from aoe_megatron.moe import ops

@@ -7,7 +7,7 @@ A checkpoint is a directory ``step_00000100/``:
                   (``optim_state.py``): resumable at any world size, EP size and ZeRO-1/2 stage
   rng/rank{r}.pt  rank r's random generators (restored when the world size is unchanged)
   state.json      step, consumed samples, Adam step, the lr schedule and its position, layout,
-                  config, extras
+                  config, the megatron-core release that saved it, extras
   manifest.json   every file's size and sha256 (``integrity.py``), written last
 It is written as ``step_N.partial-*`` and renamed when complete on every rank; then ``latest``
 (a one-line file) is replaced atomically. A crash at any point leaves the previous checkpoint and
@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 
 from aoe_megatron.runtime import integrity
+from aoe_megatron.runtime.versions import installed_mcore
 from aoe_megatron.train import optim_state
 from aoe_megatron.train.host_memory import PeakHostMemory
-from aoe_megatron.train.resume_checks import ResumeError, check_config, check_schedule
+from aoe_megatron.train.resume_checks import ResumeError, check_config, check_release, check_schedule
 
 LATEST = "latest"
 VERIFIED = "last_verified"
@@ -78,7 +79,8 @@ def start_writer() -> None:
     """Start megatron-core's checkpoint-writer helper now, deaf to the stop signals.
 
     NOTE: megatron-core's writer starts a helper process (a multiprocessing Manager holding the
-    results queue, ``filesystem_async._get_write_results_queue``) at the first save and keeps it
+    results queue, ``filesystem_async.get_write_results_queue``; ``_get_write_results_queue``
+    in 0.16.1) at the first save and keeps it
     for the life of the run. Slurm's time-limit warning goes to every process of the job step and
     torchrun signals each worker's process group, so that helper would die of the very SIGTERM
     that asks the run to save, and the save would fail (BrokenPipe). Ignored signals are
@@ -89,10 +91,12 @@ def start_writer() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+    from aoe_megatron.patches.mcore_dist_ckpt_results_queue import upstream_name
+
     stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
     try:
-        filesystem_async._get_write_results_queue()
+        getattr(filesystem_async, upstream_name())()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -130,7 +134,7 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
             state = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
                      "adam_step": optim_state.adam_step(engine),
                      "scheduler_last_epoch": scheduler.last_epoch, "layout": layout,
-                     "config": config, **(extra or {})}
+                     "config": config, "megatron_core": installed_mcore(), **(extra or {})}
             if (in_force := optim_state.schedule_in_force(scheduler)) is not None:
                 state["schedule"] = in_force.record()  # what a resume compares its own with
             (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
@@ -262,6 +266,7 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
     if state.get("format", 1) < FORMAT:
         raise ResumeError(f"{path} was written by an older aoe-megatron (per-rank optimizer files, "
                           f"no manifest): start from its weights with --load-weights {path}")
+    check_release(path)
     rank = dist.get_rank()
     # AdamW's own state (made lazily at a run's first step) is created before the measurement:
     # the peak is what loading adds, not the memory every run holds for its optimizer anyway.
@@ -293,6 +298,7 @@ def load_model_weights(path, model) -> None:
     first (``integrity.require_verified``), each with its own --no-verify."""
     from megatron.core import dist_checkpointing
 
+    check_release(path)
     loaded = dist_checkpointing.load(model.sharded_state_dict(), str(Path(path) / "model"))
     result = model.load_state_dict(loaded, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]

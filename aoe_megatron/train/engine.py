@@ -28,7 +28,7 @@ def import_deepspeed():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
 
-    from aoe_megatron._patches import apply_deepspeed_patches
+    from aoe_megatron.patches import apply_deepspeed_patches
 
     apply_deepspeed_patches()
 

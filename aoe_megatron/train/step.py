@@ -56,19 +56,16 @@ def agree_on_step(loss: torch.Tensor, *, stop_raised: bool,
 
 
 def _aux_loss(grad_accum: int) -> Optional[float]:
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from aoe_megatron.moe import loss_tracker
 
-    tracker = get_moe_layer_wise_logging_tracker()
-    if "load_balancing_loss" not in tracker:
-        return None
-    return float(tracker["load_balancing_loss"]["values"].sum()) / grad_accum
+    values = loss_tracker.layer_values("load_balancing_loss")
+    return None if values is None else float(values.sum()) / grad_accum
 
 
 def train_step(parts, step: int, *, stop_flag, log: bool) -> StepResult:
     """Step ``step`` (from 0) of ``parts`` (``setup.Parts``); ``stop_flag.raised`` is read
     after the optimizer step, so a signal during the step stops the run after it."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
+    from aoe_megatron.moe import loss_tracker
     from aoe_megatron.train.batches import lm_loss
 
     engine, gas = parts.engine, parts.run.grad_accum
@@ -83,7 +80,7 @@ def train_step(parts, step: int, *, stop_flag, log: bool) -> StepResult:
     try:
         aux = _aux_loss(gas) if log else None
     finally:
-        clear_aux_losses_tracker()
+        loss_tracker.clear()
     loads = step_loads(parts.biased_routers)
     mean, nonfinite, stop = agree_on_step(step_loss, stop_raised=stop_flag.raised, loads=loads)
     applied = engine.was_step_applied()

@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/dist_checkpointing/strategies/filesystem_async.py`` (0.16.1), CPU only.
+"""Patch for ``megatron/core/dist_checkpointing/strategies/filesystem_async.py`` (0.16.1, 0.19.2), CPU only.
 
 What: ``FileSystemWriterAsync.preload_tensors`` copies tensors to host memory without
 ``torch.cuda.synchronize()``.
@@ -12,6 +12,8 @@ from __future__ import annotations
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _preload_tensors(write_buckets, non_blocking=True):

@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/utils.py`` (megatron-core 0.16.1), CPU only.
+"""Patch for ``megatron/core/utils.py`` (megatron-core 0.16.1, 0.19.2), CPU only.
 
 What: ``GlobalMemoryBuffer.get_tensor`` allocates on the current device instead of
 ``torch.cuda.current_device()``.
@@ -17,6 +17,8 @@ import torch
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.utils"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):

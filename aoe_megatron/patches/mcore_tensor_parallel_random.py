@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/tensor_parallel/random.py`` (megatron-core 0.16.1), CPU only.
+"""Patch for ``megatron/core/tensor_parallel/random.py`` (megatron-core 0.16.1, 0.19.2), CPU only.
 
 What: the "CUDA" RNG states tracker (dropout and initialisation under model parallelism) and
 activation recompute keep and swap the CPU generator's state instead of CUDA's.
@@ -18,6 +18,8 @@ import torch
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.tensor_parallel.random"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _get_rng_state(device="cuda", clone=False, graph_safe=False):

@@ -1,7 +1,8 @@
-"""Patch for ``megatron/core/dist_checkpointing/strategies/filesystem_async.py`` (0.16.1), every
-machine (Linux).
+"""Patch for ``megatron/core/dist_checkpointing/strategies/filesystem_async.py`` (0.16.1, 0.19.2),
+every machine (Linux).
 
-What: ``_get_write_results_queue`` starts its multiprocessing Manager (the process that holds the
+What: the function that makes the checkpoint writer's results queue (``_get_write_results_queue()``
+in 0.16.1, ``get_write_results_queue(mp_mode="spawn")`` in 0.19.2: ``UPSTREAM_NAME``) starts its multiprocessing Manager (the process that holds the
 checkpoint writer's results queue) with an initializer that asks the kernel to SIGKILL it when
 the rank that started it dies (``prctl(PR_SET_PDEATHSIG)``).
 Why: megatron starts that Manager with the spawn context and never stops it. A rank that is
@@ -22,8 +23,11 @@ import sys
 from multiprocessing.managers import SyncManager
 
 from ._patching import module, replace
+from aoe_megatron.runtime.versions import mcore_at_least
 
 TARGET = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: The Managers started here (the queue's proxy refers to its Manager too; this makes it plain).
 MANAGERS: list = []
@@ -37,10 +41,15 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _get_write_results_queue():
+def upstream_name() -> str:
+    """The name of the function this patch replaces, in the installed megatron-core."""
+    return "get_write_results_queue" if mcore_at_least("0.17") else "_get_write_results_queue"
+
+
+def _get_write_results_queue(mp_mode: str = "spawn"):
     fs_async = module(TARGET)
     if fs_async._results_queue is None:
-        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager = SyncManager(ctx=mp.get_context(mp_mode))
         manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
         MANAGERS.append(manager)
         fs_async._results_queue = manager.Queue()
@@ -48,5 +57,9 @@ def _get_write_results_queue():
 
 
 def apply() -> bool:
-    replace(module(TARGET), "_get_write_results_queue", _get_write_results_queue)
+    fs_async = module(TARGET)
+    if not hasattr(fs_async, upstream_name()):
+        raise RuntimeError(f"{TARGET} has no {upstream_name()}: review "
+                           f"aoe_megatron/patches/mcore_dist_ckpt_results_queue.py against it")
+    replace(fs_async, upstream_name(), _get_write_results_queue)
     return True

@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/models/common/embeddings/rotary_pos_embedding.py`` (0.16.1), CPU only.
+"""Patch for ``megatron/core/models/common/embeddings/rotary_pos_embedding.py`` (0.16.1, 0.19.2), CPU only.
 
 What: ``RotaryEmbedding.get_emb`` leaves ``inv_freq`` where it is.
 Why: upstream moves a CPU ``inv_freq`` to ``torch.cuda.current_device()`` at the first forward;
@@ -13,6 +13,8 @@ import torch
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.models.common.embeddings.rotary_pos_embedding"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:

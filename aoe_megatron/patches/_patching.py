@@ -7,6 +7,9 @@ Every patch goes through :func:`replace`, so :func:`revert_all` can restore mega
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import Any, Callable
 
 import torch
@@ -54,3 +57,29 @@ def cuda_absent() -> bool:
 
 
 PatchFn = Callable[[], bool]
+
+
+class _WhileLoading(importlib.abc.MetaPathFinder):
+    """Finds module ``name`` as Python would, and runs its code through ``wrap(exec_module)``."""
+
+    def __init__(self, name: str, wrap: Callable[[Callable], Callable]):
+        self.name, self.wrap = name, wrap
+
+    def find_spec(self, name, path, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)  # one use; also keeps PathFinder below from finding us again
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is not None and spec.loader is not None:
+            spec.loader.exec_module = self.wrap(spec.loader.exec_module)
+        return spec
+
+
+def when_loading(name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Change how module ``name`` executes when it is first imported: its loader's
+    ``exec_module`` becomes ``wrap(exec_module)``. Does nothing where it is already imported or
+    already hooked."""
+    if name in sys.modules or any(isinstance(f, _WhileLoading) and f.name == name
+                                  for f in sys.meta_path):
+        return
+    sys.meta_path.insert(0, _WhileLoading(name, wrap))

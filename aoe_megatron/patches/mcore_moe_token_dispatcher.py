@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/transformer/moe/token_dispatcher.py`` (megatron-core 0.16.1), CPU only.
+"""Patch for ``megatron/core/transformer/moe/token_dispatcher.py`` (megatron-core 0.16.1, 0.19.2), CPU only.
 
 What: the all-to-all dispatcher creates no CUDA stream and moves its split sizes to the CPU
 synchronously.
@@ -14,6 +14,8 @@ import contextlib
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.transformer.moe.token_dispatcher"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):

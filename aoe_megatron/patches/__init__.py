@@ -1,20 +1,22 @@
 """Changes aoe-megatron makes to upstream engines, one module per upstream file.
 
-megatron-core 0.16.1 calls CUDA unconditionally in a few places. On a machine without CUDA (our
-CPU test machines, CI) those calls fail, so each is replaced by a device-neutral version. The
-patches are applied by one explicit call, :func:`apply_patches`; nothing is patched on import,
-with one exception: megatron-core decorates its fused kernels with ``torch.compile`` while it imports,
-so ``import aoe_megatron`` arms ``mcore_jit`` (an import hook, :func:`mcore_jit.arm`) before any
-megatron-core module loads.
+megatron-core calls CUDA unconditionally in a few places. On a machine without CUDA (our CPU test
+machines, CI) those calls fail, so each is replaced by a device-neutral version. The patches are
+applied by one explicit call, :func:`apply_patches`; nothing is patched on import, with one
+exception: megatron-core wraps some kernels in ``torch.compile`` while it imports, so
+``import aoe_megatron`` calls :func:`arm` (import hooks) before any megatron-core module loads.
 
 Each module here:
-  - names the upstream file it changes (``TARGET``) and says what, why and for which version;
-  - exposes ``apply() -> bool`` returning whether it changed anything on this machine;
-  - is covered by a test in ``tests/test_patches.py`` showing the patch is needed and works.
+  - names the upstream file it changes (``TARGET``) and says what, why and for which versions;
+  - declares the supported megatron-core releases it applies to (``VERSIONS``, a subset of
+    ``runtime.versions.SUPPORTED_MCORE``): it is off for the others, whose release no longer
+    needs it (``tests/test_patches.py`` shows, on each CI leg, that an active patch is needed and
+    an inactive one is not);
+  - exposes ``apply() -> bool`` returning whether it changed anything on this machine.
 
-CPU patches apply only when CUDA is absent; the ``te_general_gemm`` fix applies whenever
-TransformerEngine is absent (it is a NameError on GPUs too). DeepSpeed's patches (``deepspeed_*``)
-apply through :func:`apply_deepspeed_patches`, once DeepSpeed is imported.
+CPU patches apply only when CUDA is absent; ``mcore_moe_utils`` applies whenever TransformerEngine
+is absent (a NameError on GPUs too, 0.16.1). DeepSpeed's patches (``deepspeed_*``) apply through
+:func:`apply_deepspeed_patches`, once DeepSpeed is imported.
 """
 
 from __future__ import annotations
@@ -38,10 +40,7 @@ from . import (
     mcore_utils,
 )
 from ._patching import revert_all
-
-#: The megatron-core version every patch here was written against and tested with (one place:
-#: ``aoe_megatron.MEGATRON_CORE_VERSION``, which ``import aoe_megatron`` checks).
-from aoe_megatron import MEGATRON_CORE_VERSION as SUPPORTED_MCORE_VERSION  # noqa: E402
+from aoe_megatron.runtime.versions import baseline_release
 
 ALL_PATCHES = (
     mcore_jit,
@@ -66,18 +65,23 @@ _applied: list[str] | None = None
 _applied_deepspeed: list[str] | None = None
 
 
-def check_mcore_version() -> None:
-    """Refuse a megatron-core these patches were not written for."""
-    import megatron.core
+def applies(patch, release: str | None = None) -> bool:
+    """Whether ``patch`` is on for ``release`` (default: the supported release the installed
+    megatron-core follows, ``runtime.versions.baseline_release``)."""
+    return (release or baseline_release()) in patch.VERSIONS
 
-    found = getattr(megatron.core, "__version__", "unknown")
-    if found != SUPPORTED_MCORE_VERSION:
-        raise RuntimeError(
-            f"aoe-megatron's patches were written for megatron-core {SUPPORTED_MCORE_VERSION}, "
-            f"but megatron-core {found} is installed. Install the pinned version "
-            f"(`make setup`, see requirements.txt), or review every module in patches/ against "
-            f"the new release before changing SUPPORTED_MCORE_VERSION."
-        )
+
+def active_patches(release: str | None = None) -> tuple:
+    """The megatron-core patches on for ``release`` (default: the installed one's)."""
+    return tuple(p for p in ALL_PATCHES if applies(p, release))
+
+
+def arm() -> None:
+    """Import hooks for what megatron-core does while it imports (``mcore_jit``,
+    ``mcore_moe_router``); ``import aoe_megatron`` calls this before megatron-core loads."""
+    for patch in active_patches():
+        if hasattr(patch, "arm"):
+            patch.arm()
 
 
 def apply_patches() -> list[str]:
@@ -85,8 +89,7 @@ def apply_patches() -> list[str]:
     global _applied
     if _applied is not None:
         return list(_applied)
-    check_mcore_version()
-    _applied = [p.__name__.split(".")[-1] for p in ALL_PATCHES if p.apply()]
+    _applied = [p.__name__.split(".")[-1] for p in active_patches() if p.apply()]
     if os.environ.get("AOE_VERBOSE_PATCHES"):
         print(f"aoe-megatron patches applied: {_applied}")
     return list(_applied)

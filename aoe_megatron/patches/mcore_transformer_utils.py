@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/transformer/utils.py`` (megatron-core 0.16.1), CPU only.
+"""Patch for ``megatron/core/transformer/utils.py`` (megatron-core 0.16.1, 0.19.2), CPU only.
 
 What: ``get_default_causal_mask`` builds the causal mask on the CPU.
 Why: upstream builds it with ``device="cuda"``; the local (non-TE) attention calls it on every
@@ -15,6 +15,8 @@ import torch
 from ._patching import cuda_absent, replace_bound
 
 TARGET = "megatron.core.transformer.utils"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 @lru_cache

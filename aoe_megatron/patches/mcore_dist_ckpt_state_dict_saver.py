@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/dist_checkpointing/strategies/state_dict_saver.py`` (0.16.1), CPU only.
+"""Patch for ``megatron/core/dist_checkpointing/strategies/state_dict_saver.py`` (0.16.1, 0.19.2), CPU only.
 
 What: ``save_state_dict_async_finalize`` broadcasts its failure flag from a CPU tensor.
 Why: upstream creates the flag with ``device=torch.cuda.current_device()``, so every
@@ -13,6 +13,8 @@ import torch
 from ._patching import cuda_absent, module, replace_bound
 
 TARGET = "megatron.core.dist_checkpointing.strategies.state_dict_saver"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrapper) -> None:

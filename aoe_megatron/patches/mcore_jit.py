@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/jit.py`` (megatron-core 0.16.1), CPU only.
+"""Patch for ``megatron/core/jit.py`` (megatron-core 0.16.1, 0.19.2), CPU only.
 
 What: ``jit_fuser`` is megatron-core's own ``noop_decorator`` (its ``disable_jit_fuser()``) from the
 moment ``megatron.core.jit`` has loaded, before any module that decorates with it.
@@ -18,13 +18,11 @@ it, for whatever is decorated later.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import sys
-
-from ._patching import cuda_absent, module, replace
+from ._patching import cuda_absent, module, replace, when_loading
 
 TARGET = "megatron.core.jit"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _check(jit) -> None:
@@ -33,33 +31,19 @@ def _check(jit) -> None:
                            f"patches/mcore_jit.py against this megatron-core release")
 
 
-class _AfterJitLoads(importlib.abc.MetaPathFinder):
-    """Finds ``megatron.core.jit`` as Python would, and disables its fuser once it has run."""
-
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)  # one use; also keeps PathFinder below from finding us again
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not cuda_absent():
-            return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(jit):
-            run_module(jit)
+def _disable_fuser_after(run_module):
+    def exec_module(jit):
+        run_module(jit)
+        if cuda_absent():
             _check(jit)
             jit.disable_jit_fuser()  # megatron-core's own switch; revert_patches leaves it thrown
-
-        spec.loader.exec_module = exec_module
-        return spec
+    return exec_module
 
 
 def arm() -> None:
     """Disable megatron-core's jit fuser as it loads (on a machine without CUDA). Does nothing
     where megatron-core is already imported, or the hook is already in place."""
-    if TARGET in sys.modules or any(isinstance(f, _AfterJitLoads) for f in sys.meta_path):
-        return
-    sys.meta_path.insert(0, _AfterJitLoads())
+    when_loading(TARGET, _disable_fuser_after)
 
 
 def apply() -> bool:

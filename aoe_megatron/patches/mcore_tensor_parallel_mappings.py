@@ -1,4 +1,4 @@
-"""Patch for ``megatron/core/tensor_parallel/mappings.py`` (megatron-core 0.16.1), CPU only.
+"""Patch for ``megatron/core/tensor_parallel/mappings.py`` (megatron-core 0.16.1, 0.19.2), CPU only.
 
 What: the first-dimension gather and reduce-scatter (used by the allgather token dispatcher over
 the TP x EP group, and by sequence parallelism) and the all-to-all (alltoall dispatcher, EP > 1)
@@ -16,6 +16,8 @@ import torch.distributed as dist
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.tensor_parallel.mappings"
+#: The supported megatron-core releases this patch applies to.
+VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
@@ -55,8 +57,11 @@ def _as_list(splits):
     return None if splits is None else [int(s) for s in splits]
 
 
-def _all_to_all_forward(ctx, group, input, output_split_sizes, input_split_sizes):
+def _all_to_all_forward(ctx, group, input, output_split_sizes, input_split_sizes,
+                        use_nccl_stream=False):
+    # NOTE: use_nccl_stream (0.19.2; upstream's backward reads it back) means nothing to gloo.
     ctx.group = group
+    ctx.use_nccl_stream = use_nccl_stream
     ctx.output_split_sizes = output_split_sizes
     ctx.input_split_sizes = input_split_sizes
     if group.size() == 1:
