@@ -138,8 +138,8 @@ class VariantMoELayer(MoELayer):
             pg_collection = get_default_pg_collection()
         super().__init__(config, submodules, layer_number, pg_collection,
                          **constructor_kwargs(is_mtp_layer=is_mtp_layer, name=name))
-        if config.moe_token_dispatcher_type == "alltoall":
+        if config.moe_token_dispatcher_type == "alltoall" and not selects_top_k_per_token(router.selection):
             self.token_dispatcher = PairCountingAlltoAllTokenDispatcher(
                 self.num_local_experts, self.local_expert_indices, config=config,
                 pg_collection=pg_collection)
-            self.token_dispatcher.variable_count = not selects_top_k_per_token(router.selection)
+            self.token_dispatcher.variable_count = True

@@ -70,8 +70,10 @@ def baseline_release(found: str | None = None) -> str:
     return older[-1] if older else SUPPORTED_MCORE[0]
 
 
+@lru_cache(maxsize=None)
 def mcore_at_least(version: str) -> bool:
-    """Whether the installed megatron-core is ``version`` or newer (shims at upstream seams)."""
+    """Whether the installed megatron-core is ``version`` or newer (shims at upstream seams; cached:
+    the loss tracker asks at every router forward)."""
     found = installed_mcore()
     return found is not None and parse(found) >= parse(version)
 
