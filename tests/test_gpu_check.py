@@ -93,6 +93,24 @@ def test_gpu_form_without_cuda_stops_at_the_environment_step(tmp_path):
     assert "torch sees no CUDA device" in results["steps"][0]["reason"]
 
 
+def test_the_check_runs_megatron_core_0192_unless_told_and_refuses_another_release(tmp_path):
+    """GPU_CHECK_MCORE defaults to 0.19.2; a Python whose megatron-core is another release is
+    refused before any step, naming the way out."""
+    from aoe_megatron.runtime.versions import installed_mcore
+
+    env = {k: v for k, v in os.environ.items() if k != "GPU_CHECK_MCORE"}
+    other = {"0.16.1": "0.19.2", "0.19.2": "0.16.1"}[installed_mcore()]
+    if other != "0.19.2":  # on the 0.16.1 leg the default itself is the other release
+        env["GPU_CHECK_MCORE"] = other
+    done = subprocess.run(["bash", "tools/gpu_check.sh", "--out", str(tmp_path)], cwd=ROOT,
+                          env={**env, "PY": sys.executable}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert (f"has megatron-core {installed_mcore()}, not {other} (GPU_CHECK_MCORE): set "
+            f"GPU_CHECK_MCORE={installed_mcore()}") in done.stderr, done.stderr
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
 def test_pytest_summary_found_above_a_shutdown_warning():
     """The first H200 run (2026-12-04): 4 gpu-marked tests passed, then NCCL's shutdown warning
     came last, and the check took the warning for the summary and failed the step."""
