@@ -148,8 +148,10 @@ study: setup study-data
 bench: setup
 	$(VENV)/bin/aoe-bench $(BENCH_ARGS)
 
-# The one-shot GPU check (issue #19): gpu-marked tests, a bf16 run that saves and resumes, AoE vs
-# MoE tokens/s, a cut-down layer bench; results in $$OUT or bench/gpu_check/.
+# The one-shot GPU check (issues #19, #34), within 6 minutes on one H100/H200: gpu-marked tests,
+# EP=2 over NCCL on the one GPU (save, resume, against EP=1), the layer bench's 732M/4B blocks, the
+# 732M model through the trainer (tokens/s, memory, MFU), activation memory per layer at 4B;
+# results in $$OUT or bench/gpu_check/ (docs/gpu.md#the-gpu-check).
 GPU_CHECK_ARGS ?=
 GPU_CHECK_MCORE ?= 0.19.2
 gpu-check: setup

@@ -60,7 +60,14 @@ def corpus(tmp_path_factory):
 def trained_checkpoint(corpus, tmp_path_factory):
     """``trained_checkpoint(arch)``: the step folder of a tiny model of ``arch`` trained 3 steps on
     ``corpus`` at EP=2 over two processes (ZeRO-1); each arch is trained once per session. A test
-    that uses it starts processes: mark it ``distributed`` and ``slow``."""
+    that uses it starts processes: mark it ``distributed`` and ``slow``.
+
+    The data index cache: the aoe run builds its own (default: ``data-cache`` beside the run
+    directory); the moe run's is built ahead by ``--build-data-index-only --world-size 2`` into
+    ``prebuilt/``, which training then reads. ``trained_checkpoint.runs[arch]``: {"out", "output",
+    and for moe "build_output", "built" and "after" (index files: mtimes after the build and
+    after training)}."""
+    from aoe_megatron.data.index_cache import index_files
     from aoe_megatron.runtime import launch
 
     trained: dict = {}
@@ -68,16 +75,27 @@ def trained_checkpoint(corpus, tmp_path_factory):
     def get(arch: str) -> Path:
         if arch not in trained:
             out = tmp_path_factory.mktemp(f"train_{arch}")
-            run = launch.run(
-                ["--preset", "tiny", "--arch", arch, "--data-path", corpus["data"],
-                 "--expert-model-parallel-size", "2", "--train-iters", "3", "--global-batch-size", "4",
-                 "--micro-batch-size", "1", "--lr-warmup-iters", "1", "--eval-interval", "100",
-                 "--zero-stage", "1", "--ckpt-dir", out / "ckpt", "--run-dir", out / "run"],
-                nproc=2, cwd=ROOT, timeout=900)
+            args = ["--preset", "tiny", "--arch", arch, "--data-path", corpus["data"],
+                    "--expert-model-parallel-size", "2", "--train-iters", "3",
+                    "--global-batch-size", "4", "--micro-batch-size", "1", "--lr-warmup-iters", "1",
+                    "--eval-interval", "100", "--zero-stage", "1"]
+            record = get.runs[arch] = {"out": out}
+            if arch == "moe":
+                args += ["--data-cache-path", out / "prebuilt"]
+                build = launch.run([*args, "--build-data-index-only", "--world-size", "2"],
+                                   nproc=1, cwd=ROOT, timeout=300)
+                assert build.returncode == 0, build.output[-6000:]
+                record.update(build_output=build.output, built=index_files(out / "prebuilt"))
+            run = launch.run([*args, "--ckpt-dir", out / "ckpt", "--run-dir", out / "run"],
+                             nproc=2, cwd=ROOT, timeout=900)
             assert run.returncode == 0, run.output[-6000:]
+            record["output"] = run.output
+            if arch == "moe":
+                record["after"] = index_files(out / "prebuilt")
             trained[arch] = out / "ckpt" / "step_00000003"
         return trained[arch]
 
+    get.runs = {}
     return get
 
 

@@ -145,18 +145,19 @@ def test_bad_flags_are_refused_clearly():
 
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path):
-    out = _run([sys.executable, "-m", "aoe_megatron.cli.bench", "--quick", "--out", str(tmp_path)])
+    out = _run([sys.executable, "-m", "aoe_megatron.cli.bench", "--quick", "--model-archs",
+                "moe,aoe,aoe-loop", "--out", str(tmp_path)])
     assert "[layer tiny8] aoe-naive rep 2/2" in out.stdout  # progress lines
     res = json.loads((tmp_path / "results.json").read_text())
     assert set(res) == {"layer", "model", "ep", "meta"}
     meta = res["meta"]
-    assert meta["command"] == f"aoe-bench --quick --out {tmp_path}"
+    assert meta["command"] == f"aoe-bench --quick --model-archs moe,aoe,aoe-loop --out {tmp_path}"
     assert {"cpu", "cores", "torch", "megatron_core"} <= set(meta["machine"]) and meta["wall_s"] > 0
 
     assert set(res["layer"]) == {"tiny8", "tiny64"}
     # d_wide64 (up and nearest) where Eq. 5's d_wide is no multiple of 64 (tiny8: 164, tiny64: 42)
-    arms = {"moe", "aoe", "aoe-full-cache", "aoe-padded", "aoe-d_wide64", "aoe-d_wide64-nearest",
-            "aoe-naive"}
+    arms = {"moe", "moe-grouped", "aoe", "aoe-full-cache", "aoe-padded", "aoe-d_wide64",
+            "aoe-d_wide64-nearest", "aoe-naive"}
     for name, shape in res["layer"].items():
         # grouped_mm where torch._grouped_mm applies: tiny8's widths (64, 16, 164) are 16-byte
         # multiples in fp32, tiny64's d_wide 42 is not
@@ -183,9 +184,17 @@ def test_quick_run_end_to_end(tmp_path):
             top_k=s["top_k"], d_low=s["d_low"], d_wide=w64))
 
     tiny = res["model"]["models"]["tiny"]
-    assert res["model"]["peak_flops"] > 0
+    # MFU against a 512^3 matmul measured in the run (--quick); no datasheet peak on the CPU
+    assert res["model"]["matmul_peak_flops"] > 0 and res["model"]["matmul_n"] == 512
+    assert res["model"]["datasheet_peak_flops"] is None
     for arch in ("moe", "aoe"):
-        assert tiny["archs"][arch]["tokens_per_s"] > 0 and tiny["archs"][arch]["mfu"] > 0
+        a = tiny["archs"][arch]
+        assert a["tokens_per_s"] > 0 and a["mfu_matmul"] > 0 and a["mfu_datasheet"] is None
+    # --model-archs, in its order; each arch's peak, the loop arch's overrides, ratios to moe
+    assert list(tiny["archs"]) == ["moe", "aoe", "aoe-loop"]
+    assert all(a["peak_bytes"] is not None for a in tiny["archs"].values())
+    assert tiny["archs"]["aoe-loop"]["arch_overrides"] == {"aoe": {"expert_backend": "loop"}}
+    assert set(tiny["ratios"]) == {"aoe", "aoe-loop"}
 
     ep = res["ep"]
     s = ep["shape"]
@@ -198,8 +207,10 @@ def test_quick_run_end_to_end(tmp_path):
 
     md = (tmp_path / "README.md").read_text()
     assert "| shape | arm | wall ms | CPU ms | saved MiB | peak MiB |" in md
+    assert "| MFU vs matmul | MFU vs datasheet |" in md and "a 512x512x512 matmul" in md
     assert "| tiny64 | aoe-naive |" in md and "## Expert parallel (EP=2)" in md
-    assert f"`aoe-bench --quick --out {tmp_path}`" in md
+    assert f"`aoe-bench --quick --model-archs moe,aoe,aoe-loop --out {tmp_path}`" in md
+    assert "| tiny | aoe-loop | 2 x 64 x 2 |" in md and "| tiny | aoe-loop/moe |" in md
 
 
 def _eq5(d_model, d_ffn, d_low):
@@ -229,6 +240,21 @@ def test_d_wide_rounding_arms_and_their_parameters_at_the_paper_shapes():
     assert arms_for(s4b, **cpu, wanted=["moe", "aoe-naive"]) == ["moe", "aoe-naive"]
 
 
+def test_ep8_per_rank_shapes_give_one_expert_the_rows_of_k_experts():
+    from aoe_megatron.bench.arms import NAMED_ONLY_SHAPES, QUICK_SHAPES, SHAPES, per_rank
+
+    for name in ("732m", "4b"):
+        full, rank = SHAPES[name], SHAPES[f"{name}-ep8"]
+        assert (rank.num_experts, rank.top_k, rank.tokens) == (1, 1, 4096 * 2), name
+        assert (rank.d_model, rank.d_ffn, rank.d_low, rank.d_wide) == (
+            full.d_model, full.d_ffn, full.d_low, full.d_wide)
+    fine = per_rank(SHAPES["fine64"], ep=8)  # 8 local experts, top-8 of them: T K rows again
+    assert (fine.num_experts, fine.top_k, fine.tokens * fine.top_k) == (8, 8, 4096 * 8)
+    with pytest.raises(ValueError, match="do not split over EP=3"):
+        per_rank(SHAPES["732m"], ep=3)
+    assert set(NAMED_ONLY_SHAPES) <= set(SHAPES) | set(QUICK_SHAPES)
+
+
 def test_model_level_defaults_leave_gpu_only_models_out_on_cpu():
     from aoe_megatron.bench import model
 
@@ -248,7 +274,7 @@ def test_new_flags_refuse_unknown_names(capsys):
     assert args.arms == ["aoe-d_wide64-nearest"] and args.model_archs == ["moe", "aoe-loop"]
     assert cli.parse_args([])[1].model_archs == ["moe", "aoe"]
     for flags, message in (
-            (["--arms", "aoe,bogus"], "--arms: unknown ['bogus']; choose from moe,aoe,"),
+            (["--arms", "aoe,bogus"], "--arms: unknown ['bogus']; choose from moe,moe-grouped,aoe,"),
             (["--models", "732m-8l"], "--models: unknown ['732m-8l']; choose from tiny,732m-2l,"),
             (["--quick", "--models", "732m-4l"], "with --quick choose from tiny"),
             (["--model-archs", "moe,aoe-fast"], "--model-archs: unknown ['aoe-fast']"),
@@ -289,5 +315,4 @@ def test_arms_flag_and_the_d_wide_and_parameter_columns(tmp_path):
         assert row.endswith(f"| {width} | {params:,} | {params / moe:.4f} |"), row
 
 
-# --model-archs: tests/test_gpu_check.py (the GPU check runs `aoe-bench --only model --model-archs
-# moe,aoe,aoe-loop`, in its CPU form at the quick shapes) checks the columns and rows it writes.
+# --model-archs: test_quick_run_end_to_end (moe,aoe,aoe-loop) checks the columns and rows it writes.

@@ -3,6 +3,7 @@ fallback to the newest checkpoint that verifies, and --keep-last retention."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -10,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aoe_megatron.runtime import launch
+from aoe_megatron.runtime import hashing, integrity, launch
 from aoe_megatron.train import checkpoint as ckpt
-from aoe_megatron.runtime import integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,6 +97,65 @@ def test_resume_rehashes_only_files_whose_stamp_changed(tmp_path, monkeypatch):
     assert stats["hashed"] == 3 and resume_verify(copy)[1]["hashed"] == 0
     assert sorted(json.loads((path / "manifest.json").read_text())["files"]) == sorted(
         json.loads((copy / integrity.STAMPS).read_text()))  # the record is not in the manifest
+
+
+@pytest.mark.parametrize("misuse", ["none", "seek", "truncate", "raise", "fd write"])
+def test_a_hashing_writer_records_the_files_sha256_or_nothing(tmp_path, misuse):
+    """Written through in order, the digest recorded is the file's; a seek, a truncate, an
+    exception or a write around it through the descriptor leaves no digest and no record."""
+    import torch
+
+    path = tmp_path / "__0_0.distcp"
+    with pytest.raises(OSError) if misuse == "raise" else contextlib.nullcontext():
+        with hashing.open_recorded(path) as f:
+            f.write(b"abc" * 1000)
+            f.write(memoryview(bytearray(range(256))))
+            torch.save(torch.arange(10), f)  # as torch's checkpoint writer does, through a wrapper
+            if misuse == "seek":
+                f.seek(10)
+                f.write(b"x")
+                f.seek(0, os.SEEK_END)
+            elif misuse == "truncate":
+                f.truncate(100)
+            elif misuse == "raise":
+                raise OSError("disk full (injected)")
+            elif misuse == "fd write":
+                f.flush()
+                os.write(f.fileno(), b"around")
+    recorded = hashing.recorded_sha256(path)
+    if misuse == "none":
+        assert recorded == hashing.sha256_file(path) and f.hexdigest() == recorded
+    else:
+        assert recorded is None and f.hexdigest() is None and not f.valid
+        assert not hashing.record_path(path).exists()
+
+
+def test_a_manifest_takes_recorded_digests_and_reads_only_the_other_files(tmp_path, monkeypatch):
+    """write_manifest reads no file whose digest was recorded as it was written (issue #34), still
+    hashes a file changed since its record, writes rank 0's in-memory files, and leaves no record
+    behind; every digest is what a re-read gives."""
+    root = tmp_path / "step_00000001.partial-x"
+    (root / "model").mkdir(parents=True)
+    with hashing.open_recorded(root / "model" / "__0_0.distcp") as f:
+        f.write(os.urandom(1 << 20))
+    changed = root / "model" / "__0_1.distcp"
+    with hashing.open_recorded(changed) as f:
+        f.write(b"x" * 100)
+    before = changed.stat()
+    changed.write_bytes(b"y" * 100)  # same size; its mtime moves on
+    os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))
+    (root / "model" / "metadata.json").write_text('{"a": 1}')
+    (root / ("gone.distcp" + hashing.RECORD_SUFFIX)).write_text("{}")  # a record of no file
+    read, real = [], integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p: read.append(Path(p).name) or real(p))
+    manifest = integrity.write_manifest(root, written={"state.json": b'{"step": 1}\n'})
+    assert sorted(read) == ["__0_1.distcp", "metadata.json"]
+    assert sorted(manifest["files"]) == ["model/__0_0.distcp", "model/__0_1.distcp",
+                                         "model/metadata.json", "state.json"]
+    for name, entry in manifest["files"].items():
+        assert entry == {"size": (root / name).stat().st_size, "sha256": real(root / name)}, name
+    assert not list(root.rglob("*" + hashing.RECORD_SUFFIX))
+    assert integrity.verify(root) == []
 
 
 def test_a_missing_or_unreadable_manifest_is_refused(tmp_path):

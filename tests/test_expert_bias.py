@@ -183,35 +183,75 @@ def test_presets_and_config_errors():
         load_preset("tiny", expert_bias=True, aoe={"selection": "top_p"})
 
 
+BIAS_RUNS = {"aoe": (2, ["--set", "expert_bias=true"]),
+             "moe": (1, ["--arch", "moe", "--set", "expert_bias=true", "--set",
+                         "router.score_function=sigmoid", "--set", "alpha_aux=0"])}
+
+
+def _bias_run(out, arch: str, *extra, save: bool = True) -> list:
+    """The tiny ``arch`` with an expert bias through the real loop, 3 steps; its train lines."""
+    import json
+    from pathlib import Path
+
+    from aoe_megatron.runtime import launch
+    from tests.helpers import tiny_run_args
+
+    nproc, flags = BIAS_RUNS[arch]
+    done = launch.run([*tiny_run_args(train_steps=3, expert_parallel_size=nproc, eval_interval=0,
+                                      save_interval=3 if save else 0, zero_stage=1),
+                       "--set", "bias_update_rate=0.01", *flags, *extra,
+                       *(["--save", out / arch] if save else []), "--run-dir", out / f"run_{arch}"],
+                      nproc=nproc, cwd=Path(__file__).resolve().parents[1], timeout=600)
+    assert done.returncode == 0, done.output[-4000:]
+    lines = [json.loads(x) for x in (out / f"run_{arch}" / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def bias_runs(tmp_path_factory):
+    """Both archs' 3-step runs (AoE at world 2 / EP 2, the stock MoE at world 1), once per module:
+    {"out": folder (checkpoints in out/<arch>), arch: train lines}."""
+    out = tmp_path_factory.mktemp("bias_runs")
+    return {"out": out, **{arch: _bias_run(out, arch) for arch in BIAS_RUNS}}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_the_loop_updates_both_biases_saves_them_and_they_reshard(tmp_path, megatron_world):
+def test_the_loop_updates_both_biases_saves_them_and_they_reshard(bias_runs, megatron_world):
     """Through the real loop: the tiny AoE at world 2 / EP 2 and the stock MoE (sigmoid scores,
     expert bias) at world 1, three steps each. Every layer's bias has moved (the loop updated it,
     the same on both ranks) and is in the checkpoint; the EP=2 checkpoint loads at EP=1 in this
     process with the biases it saved."""
-    from pathlib import Path
-
     from aoe_megatron.hf.checkpoint_io import CheckpointReader
-    from aoe_megatron.runtime import launch
-    from tests.helpers import megatron_model, tiny_run_args
+    from tests.helpers import megatron_model
 
-    root = Path(__file__).resolve().parents[1]
-    runs = {"aoe": (2, ["--set", "expert_bias=true"]),
-            "moe": (1, ["--arch", "moe", "--set", "expert_bias=true", "--set",
-                        "router.score_function=sigmoid", "--set", "alpha_aux=0"])}
-    for arch, (nproc, extra) in runs.items():
-        ckpt = tmp_path / arch
-        done = launch.run([*tiny_run_args(train_steps=3, expert_parallel_size=nproc, eval_interval=0,
-                                          save_interval=3, zero_stage=1),
-                           "--set", "bias_update_rate=0.01", *extra, "--save", ckpt,
-                           "--run-dir", tmp_path / f"run_{arch}"],
-                          nproc=nproc, cwd=root, timeout=600)
-        assert done.returncode == 0, done.output[-4000:]
-        step = ckpt / "step_00000003"
+    for arch in BIAS_RUNS:
+        step = bias_runs["out"] / arch / "step_00000003"
         saved = CheckpointReader(step).read("decoder.layers.mlp.router.expert_bias")  # [L, E]
         assert saved.shape[-1] == 4 and (saved.abs().sum(-1) > 0).all(), saved  # steps of +-0.01
         assert saved.abs().max() <= 0.03 + 1e-6 and saved.dtype == torch.float32
         model = megatron_model(step)  # EP=1 here
         loaded = torch.stack([layer.mlp.router.expert_bias for layer in model.decoder.layers])
         assert_close(loaded, saved.reshape(loaded.shape), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_moe_layer_recompute_at_ep2_changes_no_loss_and_counts_once(bias_runs, tmp_path):
+    """``--moe-layer-recompute`` through the trainer at EP 2 (DeepSpeed ZeRO-1): both all-to-alls
+    replayed in backward change no loss, and the step's L_aux and expert-bias token counts are
+    taken once (the checkpointed first forward runs without gradients and counts nothing; the
+    replay counts)."""
+    from aoe_megatron.models.gpt import load_preset
+    from tests.helpers import TINY_RUN
+
+    model = load_preset("tiny")
+    plain = bias_runs["aoe"]
+    recomputed = _bias_run(tmp_path, "aoe", "--moe-layer-recompute", save=False)
+    assert [x["step"] for x in plain] == [x["step"] for x in recomputed] == [1, 2, 3]
+    tokens = TINY_RUN["global_batch_size"] * model.seq_length * model.top_k  # both ranks
+    for a, b in zip(plain, recomputed):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7), (a, b)
+        assert a["aux_loss"] is not None and a["aux_loss"] > 0
+        assert b["aux_loss"] == pytest.approx(a["aux_loss"], rel=1e-6), (a, b)
+        assert a["bias_tokens"] == b["bias_tokens"] == [tokens] * model.num_layers, (a, b)

@@ -28,7 +28,8 @@ FLAGS = [
     "--save", "--load", "--ckpt-dir", "--save-interval", "--keep-last", "--load-weights",
     "--no-verify",
     "--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path",
-    "--no-manifest", "--mock-data", "--tokenizer-model", "--allow-data-change",
+    "--no-manifest", "--mock-data", "--tokenizer-model", "--data-cache-path",
+    "--build-data-index-only", "--world-size", "--allow-data-change",
     "--log-interval", "--eval-interval", "--eval-iters", "--run-dir",
     "--skip-nonfinite", "--inject-nonfinite",
 ]

@@ -22,6 +22,7 @@ from aoe_megatron.patches import (
     deepspeed_comm_torch,
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_state_dict_saver,
+    mcore_dist_ckpt_write_digests,
     mcore_jit,
     mcore_moe_router,
     mcore_moe_token_dispatcher,
@@ -306,6 +307,31 @@ def test_dist_checkpoint_save(megatron_world, tmp_path, patch):
     with without(patch), pytest.raises(CUDA_MISSING):
         _save_tiny(tmp_path / "unpatched")
     _save_tiny(tmp_path / "patched")
+
+
+def test_checkpoint_writers_hash_what_they_write(megatron_world, tmp_path, monkeypatch):
+    """megatron-core's writers hash each data file as they write it (forked children in 0.16.1,
+    threads in 0.19.2): unpatched, a save leaves no digest record and the manifest reads every
+    data file back; patched, each .distcp has a record equal to its sha256, the manifest reads
+    none of them, and its digests are those of a re-read."""
+    from aoe_megatron.runtime import hashing, integrity
+
+    with without(mcore_dist_ckpt_write_digests):
+        _save_tiny(tmp_path / "unpatched")
+    assert list((tmp_path / "unpatched").glob("*.distcp"))
+    assert not list((tmp_path / "unpatched").glob("*" + hashing.RECORD_SUFFIX))
+    root = tmp_path / "patched"
+    _save_tiny(root)
+    data = sorted(root.glob("*.distcp"))
+    assert data and all(hashing.recorded_sha256(p) == hashing.sha256_file(p) for p in data)
+    read = []
+    monkeypatch.setattr(integrity, "sha256_file",
+                        lambda p: read.append(Path(p).name) or hashing.sha256_file(p))
+    manifest = integrity.write_manifest(root)
+    assert read and not [n for n in read if n.endswith(".distcp")], read
+    for name, entry in manifest["files"].items():
+        assert entry["sha256"] == hashing.sha256_file(root / name), name
+    assert not list(root.rglob("*" + hashing.RECORD_SUFFIX))
 
 
 def _mappings_on_two_ranks(rank, world_size):

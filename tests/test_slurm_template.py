@@ -68,6 +68,34 @@ def test_cpu_mode_hides_gpus_and_gives_the_task_the_nodes_cpus(tmp_path):
     assert "on 1 node(s) x 2 (cpu" in proc.stdout and "6 CPUs per node" in proc.stdout, proc.stdout
 
 
+def test_the_stop_window_follows_what_torchrun_can_do(tmp_path):
+    """torch 2.13's torchrun takes --shutdown-timeout; torch 2.11's (the 0.19.2 leg's, NeMo-style
+    containers) has none and would refuse the flag: the template leaves it out, says the window
+    is torchrun's fixed 30 s (what the ranks then compare a save with)."""
+    proc, calls = _run_template(tmp_path, DEVICE="cpu", SHUTDOWN_TIMEOUT="300")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = calls[0][:-1]
+    assert args[args.index("--shutdown-timeout") + 1] == "300", args
+    assert "no --shutdown-timeout" not in proc.stderr
+
+    old = tmp_path / "old-torch"  # a virtualenv whose torch's torchrun lacks the flag
+    (old / "bin").mkdir(parents=True)
+    (old / "site" / "torch" / "distributed").mkdir(parents=True)
+    (old / "site" / "torch" / "__init__.py").write_text("")
+    (old / "site" / "torch" / "distributed" / "run.py").write_text(
+        'parser.add_argument("--nproc-per-node")\n')
+    python = old / "bin" / "python"
+    python.write_text(f"""#!/bin/sh
+PYTHONPATH='{old / "site"}' exec '{sys.executable}' "$@"
+""")
+    python.chmod(0o755)
+    proc, calls = _run_template(tmp_path, DEVICE="cpu", SHUTDOWN_TIMEOUT="300", VENV=str(old))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = calls[-1][:-1]
+    assert "--shutdown-timeout" not in args, args
+    assert "has no --shutdown-timeout" in proc.stderr and "within 30 s" in proc.stderr, proc.stderr
+
+
 def test_fewer_cpus_than_processes_refuses_to_start(tmp_path):
     proc, calls = _run_template(tmp_path, DEVICE="cpu", SLURM_CPUS_ON_NODE="1")
     assert proc.returncode == 2, proc.stdout + proc.stderr

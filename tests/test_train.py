@@ -56,10 +56,19 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_p
     stopped_at = int((tmp_path / "ck" / "latest").read_text().strip().split("_")[1])
     assert 3 <= stopped_at < 8
 
-    resumed = launch.run(args, nproc=2, cwd=ROOT, timeout=600,
-                         summary=tmp_path / "resumed.json")
+    resumed = launch.run(args, nproc=2, cwd=ROOT, timeout=600, summary=tmp_path / "resumed.json",
+                         env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "1"})  # a stop window no save fits
     assert resumed.returncode == 0, resumed.output
     assert f"resumed from {tmp_path / 'ck'}" in resumed.output
+    # The stop window (issue #34): warned at the resume, from the checkpoint's record, and after
+    # each save of the resumed run (every 2 steps and the last); each save has its metrics line.
+    assert f"WARNING: the last recorded save (step_{stopped_at:08d}) took" in resumed.output
+    later = [s for s in range(stopped_at + 1, 9) if s % 2 == 0 or s == 8]
+    assert resumed.output.count("1 s stop window") == 1 + len(later), resumed.output[-3000:]
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    saves = [json.loads(line) for line in metrics if '"kind": "save"' in line]
+    assert [r["step"] for r in saves][-len(later) - 1:] == [stopped_at, *later]
+    assert saves[-1]["stop_window_s"] == 1.0 and saves[-1]["bytes"] > 0
     summary = resumed.summary()
     assert summary["start"] == stopped_at
     after = summary["losses"]
@@ -95,7 +104,9 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_p
 
 def _crash_during_save(rank, world_size, ckpt_dir):
     from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
+    from aoe_megatron.runtime import hashing, integrity
     from aoe_megatron.train import checkpoint as ckpt
+    from aoe_megatron.train.checkpoint_save import save_checkpoint
     from aoe_megatron.train.engine import build_engine
 
     cfg = load_preset("tiny", vocab_size=512)
@@ -104,8 +115,21 @@ def _crash_during_save(rank, world_size, ckpt_dir):
     engine, _, sched = build_engine(model, zero_stage=1, lr=1e-3, micro_batch=1, grad_accum=1,
                                     ep_size=2, num_experts=cfg.num_experts)
     layout = {"world_size": 2, "expert_parallel_size": 2, "zero_stage": 1}
-    good = ckpt.save_checkpoint(ckpt_dir, step=2, engine=engine, model=model, scheduler=sched,
-                                consumed_samples=4, layout=layout, config={})
+    read, real = [], integrity.sha256_file  # the manifest re-reads no data file (issue #34)
+    integrity.sha256_file = lambda p: read.append(str(p)) or real(p)
+    try:
+        good = save_checkpoint(ckpt_dir, step=2, engine=engine, model=model, scheduler=sched,
+                               consumed_samples=4, layout=layout, config={})
+    finally:
+        integrity.sha256_file = real
+    assert read and not [p for p in read if p.endswith(".distcp")], read
+    files = integrity.read_manifest(good)["files"]
+    assert not [p for p in good.rglob("*") if hashing.is_record(p)]
+    for name, entry in files.items():
+        assert entry["sha256"] == real(good / name), name
+    save = json.loads((good / "state.json").read_text())["save"]
+    assert save["seconds"] > 0 and save["bytes"] == sum(
+        e["size"] for n, e in files.items() if n != "state.json")
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
@@ -119,8 +143,8 @@ def _crash_during_save(rank, world_size, ckpt_dir):
     ckpt.optim_state.sharded_optimizer_state = failing_optimizer_state
     try:
         with pytest.raises(OSError, match="injected"):
-            ckpt.save_checkpoint(ckpt_dir, step=4, engine=engine, model=model, scheduler=sched,
-                                 consumed_samples=8, layout=layout, config={})
+            save_checkpoint(ckpt_dir, step=4, engine=engine, model=model, scheduler=sched,
+                            consumed_samples=8, layout=layout, config={})
     finally:
         ckpt.optim_state.sharded_optimizer_state = original
     torch.distributed.barrier()

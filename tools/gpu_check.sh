@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue #19): tools/gpu_check.py's steps (environment, gpu-marked tests,
-# a tiny bf16 run that saves, resumes and verifies, AoE vs MoE tokens/s, a cut-down layer bench),
-# in at most 5 minutes on one H200, results written as it goes.
+# The one prepared GPU check (issues #19, #34): tools/gpu_check.py's steps (environment, gpu-marked
+# tests, EP=2 over NCCL with two ranks on the one GPU saving, resuming and against EP=1, the layer
+# bench's 732M and 4B blocks, the 12-layer 732M model through the trainer: tokens/s, peak memory,
+# MFU against the datasheet and a measured matmul; activation memory per layer at 4B), within
+# 6 minutes on one H100 or H200 (the steps' budget 330 s, the rest for installing the wheels),
+# results written after each step. docs/gpu.md#the-gpu-check says how to read them.
 #
 #   tools/gpu_check.sh [--out DIR]     # on a CUDA machine; DIR defaults to $OUT, else bench/gpu_check
 #   tools/gpu_check.sh --cpu           # the same steps on the CPU at tiny shapes (make test runs it)
+#   tools/gpu_check.sh --steps ep-nccl,layer   # only these steps (--skip layer: the others)
 #   GPU_CHECK_MCORE=0.16.1 tools/gpu_check.sh   # on the older supported megatron-core (default 0.19.2)
 #
 # Python: PY, else the virtualenv of the CI leg that runs GPU_CHECK_MCORE (.venv-mcore019 for
@@ -49,6 +53,25 @@ if [ "$found" != "$MCORE" ]; then
   echo "gpu_check.sh: $PY has megatron-core ${found:-(none)}, not $MCORE (GPU_CHECK_MCORE):" \
        "set GPU_CHECK_MCORE=$found, or PY to a Python with $MCORE" >&2
   exit 2
+fi
+# The layer step's fair MoE baseline (the bench's moe-grouped arm: megatron-core's legacy grouped
+# GEMM) exists on 0.16.1 only: with another release, that step runs on a 0.16.1 Python (.venv) or
+# on 0.16.1's carried wheel in a scratch folder beside this one (GPU_CHECK_LAYER_PY / _PYTHONPATH;
+# the step records the release it ran). Without either, the arm is reported not measured.
+LAYER_MCORE=0.16.1
+if [ "$MCORE" != "$LAYER_MCORE" ] && [ -z "${GPU_CHECK_LAYER_PY:-}" ]; then
+  shopt -s nullglob
+  older=("$ROOT/.whl/megatron-core-$LAYER_MCORE"/*.whl)
+  if "$ROOT/.venv/bin/python" -c 'import importlib.metadata as m, sys
+sys.exit(m.version("megatron-core") != "'"$LAYER_MCORE"'")' >/dev/null 2>&1; then
+    export GPU_CHECK_LAYER_PY="$ROOT/.venv/bin/python"
+  elif [ ${#older[@]} -gt 0 ]; then
+    LAYER_SITE="${GPU_CHECK_LAYER_SITE:-/tmp/aoe-gpu-check-site-$LAYER_MCORE}"
+    echo "gpu_check.sh: the layer step on megatron-core $LAYER_MCORE: installing its wheels into $LAYER_SITE"
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$LAYER_SITE" "$ROOT"/.whl/*.whl "${older[@]}"
+    export GPU_CHECK_LAYER_PY="$PY" GPU_CHECK_LAYER_PYTHONPATH="$ROOT:$LAYER_SITE"
+  fi
 fi
 export PYTHONUNBUFFERED=1
 cd "$ROOT"

@@ -1,12 +1,13 @@
 """The layer benchmark's shapes and arms, and how each is built (megatron-core's MoE layer as its
-GPT layer spec builds it, the AoE layer with an arm's settings) and trained for one step.
+GPT layer spec builds it, its grouped-GEMM experts in ``mcore_grouped.py``, the AoE layer with an
+arm's settings) and trained for one step.
 
 Shape suffixes: T tokens, D d_model, E experts, K top-k, R d_low, W d_wide, F d_ffn.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -37,13 +38,41 @@ SHAPES = {
     # cache E * R would otherwise dominate the FLOPs).
     "fine64": LayerShape(d_model=768, num_experts=64, top_k=8, d_ffn=384, d_low=64),
 }
+
+
+def per_rank(shape: LayerShape, *, ep: int) -> LayerShape:
+    """The block as one rank of an EP=``ep`` job computes it, its all-to-all left out: the rank's
+    E / ep local experts receive the T K rows that balanced routing sends them (T tokens on every
+    rank, each to K experts). Built as a layer with num_experts E / ep and top_k min(K, E / ep),
+    fed T K / top_k tokens: every arm's experts get T K rows.
+
+    NOTE: what it leaves out besides the all-to-all: routing the rank's own T tokens over all E
+    experts. For MoE that is the [T, D] x [D, E] router, a fraction of a percent of the block.
+    For AoE it is the cache x W_down for all E experts (T D E R multiply-adds), of which the
+    per-rank layer computes only T K D R (the cache of the rows it receives, what cache mode
+    "recompute" computes at the expert): (E - K) T D R left out, 9.7 GFLOP forward at the 732M
+    shape, 7.7% of the AoE forward FLOPs a rank runs (7.2% at 4B). AoE's time ratios here are
+    kinder to AoE by up to that much; its FLOP ratio (about 1.000) is the layer's as built.
+    """
+    local = shape.num_experts // ep
+    if local * ep != shape.num_experts:
+        raise ValueError(f"{shape.num_experts} experts do not split over EP={ep}")
+    top_k = min(shape.top_k, local)
+    return replace(shape, num_experts=local, top_k=top_k, tokens=shape.tokens * shape.top_k // top_k)
+
+
+# The EP=8 per-rank layouts (one local expert, T K = 8192 rows): run only when named (--shapes).
+SHAPES.update({f"{name}-ep8": per_rank(SHAPES[name], ep=8) for name in ("732m", "4b")})
+NAMED_ONLY_SHAPES = ("732m-ep8", "4b-ep8", "tiny8-ep8")
 QUICK_SHAPES = {
     "tiny8": LayerShape(d_model=64, num_experts=8, top_k=2, d_ffn=128, d_low=16, tokens=256),
     "tiny64": LayerShape(d_model=64, num_experts=64, top_k=8, d_ffn=32, d_low=8, tokens=256),
 }
+QUICK_SHAPES["tiny8-ep8"] = per_rank(QUICK_SHAPES["tiny8"], ep=8)
 NAIVE_FIELDS = {"lean_cache": False, "expert_backend": "autograd"}
-#: arm -> AoE settings (None: megatron-core's MoE)
-ARM_FIELDS = {"moe": None, "aoe": {}, "aoe-full-cache": {"lean_cache": False},
+#: arm -> AoE settings (None: megatron-core's MoE; ``moe-grouped``: its grouped-GEMM experts,
+#: ``mcore_grouped.py``)
+ARM_FIELDS = {"moe": None, "moe-grouped": None, "aoe": {}, "aoe-full-cache": {"lean_cache": False},
               "aoe-padded": {"expert_backend": "padded"},
               "aoe-grouped_mm": {"expert_backend": "grouped_mm"},
               "aoe-d_wide64": {"d_wide_multiple": 64},
@@ -55,9 +84,11 @@ def transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, us
                        recompute_modules: list[str] | None = None, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    extra = {}
+    # megatron-core refuses top-1 routing without it (per_rank's one-expert layers); with one
+    # expert the prob is 1 either way
+    extra = {"moe_router_pre_softmax": True} if shape.top_k == 1 else {}
     if recompute_modules:
-        extra = {"recompute_granularity": "selective", "recompute_modules": list(recompute_modules)}
+        extra.update(recompute_granularity="selective", recompute_modules=list(recompute_modules))
     return TransformerConfig(
         num_layers=2, hidden_size=shape.d_model, num_attention_heads=8,
         ffn_hidden_size=shape.d_ffn, moe_ffn_hidden_size=shape.d_ffn,
@@ -119,12 +150,20 @@ def expert_params(shape: LayerShape, arm: str) -> int:
     return d * r + r * w + 2 * d * w
 
 
-def arm_skips(shape: LayerShape, *, device: str, dtype: torch.dtype) -> dict[str, str]:
+def arm_skips(shape: LayerShape, *, device: str, dtype: torch.dtype,
+              use_te: bool = False) -> dict[str, str]:
     """The arms that do not apply at a shape, each with why: grouped_mm where torch._grouped_mm
-    cannot run it, a rounded d_wide where rounding leaves Eq. 5's d_wide as it is."""
+    cannot run it, moe-grouped where megatron-core's grouped-GEMM experts cannot run
+    (``mcore_grouped.unavailable_reason``), a rounded d_wide where rounding leaves Eq. 5's
+    d_wide as it is."""
+    from aoe_megatron.bench.mcore_grouped import unavailable_reason
     from aoe_megatron.moe.grouped import grouped_mm_supports
 
     skips = {}
+    why = unavailable_reason(d_model=shape.d_model, d_ffn=shape.d_ffn, device=device, dtype=dtype,
+                             use_te=use_te)
+    if why:
+        skips["moe-grouped"] = why
     widths = (shape.d_model, shape.d_low, shape.d_wide)
     if not grouped_mm_supports(dtype, widths, torch.device(device)):
         skips["aoe-grouped_mm"] = (f"torch._grouped_mm cannot run {dtype} widths {widths} "
@@ -137,10 +176,10 @@ def arm_skips(shape: LayerShape, *, device: str, dtype: torch.dtype) -> dict[str
 
 
 def arms_for(shape: LayerShape, *, device: str, dtype: torch.dtype,
-             wanted: list[str] | None = None) -> list[str]:
+             wanted: list[str] | None = None, use_te: bool = False) -> list[str]:
     """The arms measured at a shape: ``wanted`` (default all, in ARM_FIELDS order) less the ones
     ``arm_skips`` drops there."""
-    skips = arm_skips(shape, device=device, dtype=dtype)
+    skips = arm_skips(shape, device=device, dtype=dtype, use_te=use_te)
     return [a for a in ARM_FIELDS if (wanted is None or a in wanted) and a not in skips]
 
 

@@ -1,7 +1,10 @@
 """Layer level: the AoE MoE layer against megatron-core's stock MoE layer at the paper's shapes.
 
 Arms: ``moe`` (megatron-core's MoELayer, SequentialMLP on CPU, TE grouped GEMM on CUDA with TE),
-``aoe`` (AoE defaults), ``aoe-full-cache`` (lean_cache off: the [T, E * R] cache kept for the
+``moe-grouped`` (the same layer, weights and routing with megatron-core's grouped-GEMM experts:
+the legacy GroupedMLP through a ``torch._grouped_mm`` adapter on megatron-core 0.16.1,
+TEGroupedMLP where that is gone and TE is in use; ``mcore_grouped.py``), ``aoe`` (AoE
+defaults), ``aoe-full-cache`` (lean_cache off: the [T, E * R] cache kept for the
 norms' backward instead of recomputed), ``aoe-padded`` / ``aoe-grouped_mm`` (the other expert
 backends, where they apply: what "auto" chooses from), ``aoe-d_wide64`` and
 ``aoe-d_wide64-nearest`` (d_wide rounded up / to the nearest multiple of 64, where Eq. 5's is not
@@ -9,6 +12,11 @@ one) and ``aoe-naive`` (lean_cache off, the plain per-expert autograd experts: t
 before issue #11); see ``arms.py``. Each step is forward +
 backward of ``(out * g).sum()`` for a fixed random g (the aux loss reaches the router through
 MoEAuxLossAutoScaler). The arms alternate rep by rep after one warm-up each.
+
+Shapes: the paper's blocks (``732m``, ``4b``, ``fine64``) and, only when named, ``732m-ep8`` and
+``4b-ep8``: the block as one rank of an EP=8 job computes it (one local expert fed the T K = 8192
+rows balanced routing sends it; the all-to-all and the routing over all 8 experts left out, which
+flatters AoE by up to 7.7% of its FLOPs: ``arms.per_rank``).
 
 Two phases, so that memory probing never slows the timings: ``phase="time"`` times every shape
 with the allocator as it is; ``phase="memory"`` (run after ``measure.enable_cpu_peak_tracking``)
@@ -19,13 +27,15 @@ d_wide and parameters per expert, so a rounded d_wide's time is read beside what
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict
 
 import torch
 
-from aoe_megatron.bench.arms import (ARM_FIELDS, QUICK_SHAPES, SHAPES, LayerShape, arm_d_wide,
-                                     arm_skips, arms_for, build_aoe, build_moe, expert_params,
-                                     shape_flops, train_step, transformer_config)
+from aoe_megatron.bench import mcore_grouped
+from aoe_megatron.bench.arms import (ARM_FIELDS, NAMED_ONLY_SHAPES, QUICK_SHAPES, SHAPES, LayerShape,
+                                     arm_d_wide, arm_skips, arms_for, build_aoe, build_moe,
+                                     expert_params, shape_flops, train_step, transformer_config)
 from aoe_megatron.bench.measure import SavedTensorBytes, peak_memory, ratio, summarize, timed
 
 # NOTE: the default run's time budget (< 20 min on 2 CPU cores): the 4b shape, ~3x the FLOPs of
@@ -71,9 +81,12 @@ def _build_arms(shape: LayerShape, arms: list[str], *, device, dtype, use_te):
     tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
     torch.manual_seed(0)
     layers = {"moe": build_moe(tc, device=device, use_te=use_te)}
+    if "moe-grouped" in arms:  # the moe arm's router and experts, in grouped-GEMM experts
+        layers["moe-grouped"] = mcore_grouped.build_grouped_moe(tc, device=device, use_te=use_te)
+        mcore_grouped.copy_from_sequential(layers["moe-grouped"], layers["moe"])
     first_at = {}  # d_wide -> the first arm built at it: later arms of that width take its weights
     for arm in arms:
-        if arm == "moe":
+        if ARM_FIELDS[arm] is None:
             continue
         layers[arm] = build_aoe(tc, shape, device=device, **ARM_FIELDS[arm])
         _check_width(layers[arm], shape, arm)
@@ -102,13 +115,26 @@ def bench_shape(name: str, shape: LayerShape, *, device: str, dtype: torch.dtype
                 reps: int, phase: str = "time", arms: list[str] | None = None, log=print) -> dict:
     """One phase ("time" or "memory") of ``arms`` (default all; ``moe`` always) at one shape."""
     wanted = None if arms is None else ["moe", *arms]
-    for arm, why in arm_skips(shape, device=device, dtype=dtype).items():
-        if wanted is None or arm in wanted:
-            log(f"[layer {name}] {phase}: dropping {arm}: {why}")
-    arms = arms_for(shape, device=device, dtype=dtype, wanted=wanted)
+    skipped = {arm: why for arm, why in arm_skips(shape, device=device, dtype=dtype,
+                                                  use_te=use_te).items()
+               if wanted is None or arm in wanted}
+    for arm, why in skipped.items():
+        log(f"[layer {name}] {phase}: dropping {arm}: {why}")
+    arms = arms_for(shape, device=device, dtype=dtype, wanted=wanted, use_te=use_te)
     log(f"[layer {name}] {phase}: building T={shape.tokens} D={shape.d_model} E={shape.num_experts} "
         f"K={shape.top_k} F={shape.d_ffn} R={shape.d_low} W={shape.d_wide}; arms {', '.join(arms)}")
+    # the grouped-GEMM adapter is installed for this shape's build and steps only
+    with mcore_grouped.installed() if "moe-grouped" in arms else contextlib.nullcontext():
+        res = _bench_arms(name, shape, arms, device=device, dtype=dtype, use_te=use_te,
+                          reps=reps, phase=phase, log=log)
+    return {**res, "skipped_arms": skipped} if phase == "time" else res
+
+
+def _bench_arms(name, shape, arms, *, device, dtype, use_te, reps, phase, log) -> dict:
     layers, x, g = _build_arms(shape, arms, device=device, dtype=dtype, use_te=use_te)
+    for arm in arms:
+        if ARM_FIELDS[arm] is None:
+            log(f"[layer {name}] {arm}: megatron-core {type(layers[arm].experts).__name__} experts")
     if phase == "memory":
         out = {}
         for arm in arms:
@@ -129,7 +155,8 @@ def bench_shape(name: str, shape: LayerShape, *, device: str, dtype: torch.dtype
             cpu[arm].append(c)
             log(f"[layer {name}] {arm} rep {i + 1}/{reps}: {w:.3f} s wall, {c:.3f} s CPU")
     return {"shape": {**asdict(shape), "d_wide": shape.d_wide},
-            "arms": {arm: {"time_s": summarize(wall[arm]), "cpu_s": summarize(cpu[arm])}
+            "arms": {arm: {"time_s": summarize(wall[arm]), "cpu_s": summarize(cpu[arm]),
+                           "experts_class": type(layers[arm].experts).__name__}
                      for arm in arms}}
 
 
@@ -143,6 +170,7 @@ def merge(timed_part: dict, memory_part: dict | None) -> dict:
         shape = LayerShape(**{k: v for k, v in res["shape"].items() if k != "d_wide"})
         flops = shape_flops(shape, list(arms))
         out[name] = {"shape": res["shape"], "flops": flops,
+                     "skipped_arms": res.get("skipped_arms", {}),
                      "experts": expert_sizes(shape, list(arms)), "arms": arms,
                      "recompute": mem["recompute"], "ratios": _ratios(arms, mem["recompute"], flops)}
     return out
@@ -169,7 +197,8 @@ def _recompute_rows(name, shape, base, x, g, *, device, dtype, use_te, log) -> l
     tc_moe = transformer_config(shape, dtype=dtype, device=device, use_te=use_te,
                                 recompute_modules=moe_policy)
     tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
-    ref = next((a for a in base if a != "moe" and arm_d_wide(shape, a) == shape.d_wide), None)
+    ref = next((a for a in base if ARM_FIELDS[a] is not None
+                and arm_d_wide(shape, a) == shape.d_wide), None)
     builds = [("moe", "moe", lambda: build_moe(tc_moe, device=device, use_te=use_te), "moe"),
               ("moe", "aoe", lambda: build_aoe(tc_moe, shape, device=device), ref),
               ("low_rank", "aoe", lambda: build_aoe(tc, shape, device=device,
@@ -232,7 +261,7 @@ def run(*, quick: bool, shapes: list[str] | None, device: str, dtype: torch.dtyp
         reps: int, reps_explicit: bool = True, phase: str = "time", arms: list[str] | None = None,
         log=print) -> dict:
     table = QUICK_SHAPES if quick else SHAPES
-    names = shapes or list(table)
+    names = shapes or [n for n in table if n not in NAMED_ONLY_SHAPES]
     return {name: bench_shape(name, table[name], device=device, dtype=dtype, use_te=use_te,
                               reps=reps_for(name, reps, explicit=reps_explicit), phase=phase,
                               arms=arms, log=log)

@@ -9,6 +9,7 @@ the kernel's high-water mark (``/proc/self/clear_refs`` "5"), reads VmRSS, runs,
 from __future__ import annotations
 
 import ctypes
+import re
 import statistics
 import time
 from typing import Callable, Iterable
@@ -123,9 +124,36 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str) -> int:
     return _proc_status_bytes("VmHWM") - before
 
 
+#: Dense (no 2:4 sparsity) bf16 Tensor Core peak, TFLOP/s, by the words of the device's name
+#: (torch.cuda.get_device_name(), split at non-alphanumerics, any case), first match wins. NVIDIA's datasheets print the sparse figure (H100 SXM 1,979, H100 PCIe 1,513, H200
+#: 1,979, A100 624) and say dense is half: H100/H200 as reproduced from the H100 datasheet by
+#: archive-lib.hpctech.co.jp/gpuproduct/nvidia-h100.html, A100 by
+#: glennklockwood.com/garden/processors/A100 (citing the A100 datasheet). NVL boards (H100 NVL,
+#: H200 NVL) are rated lower and are not listed: they get None.
+DATASHEET_BF16_TFLOPS = ((("H100", "PCIe"), 756.0), (("H100", "NVL"), None), (("H100",), 989.0),
+                         (("H200", "NVL"), None), (("H200",), 989.0), (("A100",), 312.0))
+
+
+def datasheet_peak_flops(device_name: str, dtype: torch.dtype) -> tuple[float | None, str]:
+    """(FLOP/s, note): the GPU's datasheet dense peak for bf16 (fp16 is the same figure); None
+    with the reason on the CPU, for another dtype or for a device not in the table."""
+    if device_name == "cpu":
+        return None, "the CPU: no datasheet figure (the measured matmul is the denominator)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None, f"no datasheet figure used for {dtype} (bf16/fp16 only)"
+    have = {w.upper() for w in re.split(r"[^A-Za-z0-9]+", device_name)}
+    for words, tflops in DATASHEET_BF16_TFLOPS:
+        if all(w.upper() in have for w in words):
+            if tflops is None:
+                break
+            return tflops * 1e12, f"{device_name}: {tflops:g} TFLOP/s dense bf16 (datasheet)"
+    return None, f"{device_name!r} is not in the datasheet table (bench/measure.py)"
+
+
 def gemm_peak_flops(device: torch.device | str, dtype: torch.dtype, *, n: int = 2048,
                     reps: int = 3) -> float:
-    """The best FLOP/s of an n x n x n matmul at this device and dtype (the MFU denominator)."""
+    """The best FLOP/s of an n x n x n matmul at this device and dtype (a measured MFU
+    denominator; at n = 2048 an H200 reached 333 TFLOP/s in bf16, well below what 8192 gets)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up

@@ -1,8 +1,11 @@
 """Model level: a GPTModel training step (forward, backward, AdamW) with AoE or stock MoE layers.
 
-Reports tokens/s, peak memory and model FLOPs utilisation: the analytic model FLOPs of a step
-(``flops.model_step_flops``) divided by the step time and by the best FLOP/s of a bare matmul
-measured in the same run at the same dtype (``measure.gemm_peak_flops``).
+Reports tokens/s, peak memory and model FLOPs utilisation (MFU): the analytic model FLOPs of a
+step (``flops.model_step_flops``) divided by the step time and by a peak, two of them, each named
+where it is shown: ``mfu_matmul``, the best FLOP/s of a bare n x n x n matmul measured in the same
+run at the same dtype (``measure.gemm_peak_flops``; n = 8192 on CUDA, 2048 on the CPU, 512 with
+--quick), and ``mfu_datasheet``, the GPU's datasheet dense bf16 peak
+(``measure.datasheet_peak_flops``; None on the CPU, for fp32, or for a GPU not in its table).
 
 Archs (``ARCHS``): ``moe`` (megatron-core's MoE layers, the baseline every ratio is against),
 ``aoe`` (AoE defaults: expert_backend "auto"), ``aoe-loop`` / ``aoe-grouped_mm`` (AoE with that
@@ -14,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from aoe_megatron.bench import flops as fl
-from aoe_megatron.bench.measure import gemm_peak_flops, peak_memory, ratio, summarize, timed
+from aoe_megatron.bench.measure import (datasheet_peak_flops, gemm_peak_flops, peak_memory, ratio,
+                                         summarize, timed)
 
 #: name -> (ModelConfig arch, model overrides in load_preset's nested form)
 ARCHS = {"moe": ("moe", {}), "aoe": ("aoe", {}),
@@ -50,8 +54,10 @@ def _overrides(model: dict, arch: dict) -> dict:
     return out
 
 
-def _build(preset: str, overrides: dict, arch: str, *, device: str, dtype: torch.dtype,
-           use_te: bool):
+def build_model(preset: str, overrides: dict, arch: str, *, device: str, dtype: torch.dtype,
+                use_te: bool):
+    """(ModelConfig, GPTModel) of ``preset`` with ``overrides`` as ``arch`` (of ``ARCHS``), on
+    ``device`` in ``dtype``, seeded (weights identical across calls)."""
     from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
 
     base_arch, arch_overrides = ARCHS[arch]
@@ -99,7 +105,8 @@ def bench_model(name: str, preset: str, overrides: dict, micro_batch: int, *, de
     runs, cfgs = {}, {}
     for arch in archs:
         log(f"[model {name}] {phase}: building {arch}")
-        cfg, model = _build(preset, overrides, arch, device=device, dtype=dtype, use_te=use_te)
+        cfg, model = build_model(preset, overrides, arch, device=device, dtype=dtype,
+                                 use_te=use_te)
         seq = cfg.seq_length
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
@@ -140,8 +147,9 @@ def bench_model(name: str, preset: str, overrides: dict, micro_batch: int, *, de
 
 
 def merge(timed_part: dict, memory_part: dict | None) -> dict:
-    """Join the phases: tokens/s, MFU against the measured matmul peak, ratios to moe."""
-    peak = timed_part["peak_flops"]
+    """Join the phases: tokens/s, MFU against each peak (``mfu_matmul``, ``mfu_datasheet``),
+    ratios to moe."""
+    peak, sheet = timed_part["matmul_peak_flops"], timed_part["datasheet_peak_flops"]
     models = {}
     for name, res in timed_part["models"].items():
         mem = (memory_part or {}).get(name, {"archs": {}})
@@ -150,14 +158,16 @@ def merge(timed_part: dict, memory_part: dict | None) -> dict:
             median = a["time_s"]["median"]
             archs[arch] = {**a, "peak_bytes": mem["archs"].get(arch, {}).get("peak_bytes"),
                            "tokens_per_s": a["tokens_per_step"] / median,
-                           "mfu": a["model_flops_per_step"] / median / peak}
+                           "mfu_matmul": a["model_flops_per_step"] / median / peak,
+                           "mfu_datasheet": (a["model_flops_per_step"] / median / sheet
+                                             if sheet else None)}
         moe = archs["moe"]
         models[name] = {**res, "archs": archs, "ratios": {arch: {
             "time": ratio(a["time_s"]["median"], moe["time_s"]["median"]),
             "peak": ratio(a["peak_bytes"], moe["peak_bytes"]) if moe["peak_bytes"] else None,
             "flops": ratio(a["model_flops_per_step"], moe["model_flops_per_step"])}
             for arch, a in archs.items() if arch != "moe"}}
-    return {"peak_flops": peak, "models": models}
+    return {**{k: v for k, v in timed_part.items() if k != "models"}, "models": models}
 
 
 def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int,
@@ -174,8 +184,11 @@ def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int
                for name in names}
     if phase == "memory":
         return results
-    n = 512 if quick else 2048
+    n = 512 if quick else (8192 if device == "cuda" else 2048)
     log(f"[model] measuring the matmul peak ({n}^3, {dtype})")
     peak = gemm_peak_flops(device, dtype, n=n)
-    log(f"[model] matmul peak {peak / 1e9:.1f} GFLOP/s")
-    return {"peak_flops": peak, "models": results}
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    sheet, note = datasheet_peak_flops(name, dtype)
+    log(f"[model] matmul peak {peak / 1e9:.1f} GFLOP/s; datasheet: {note}")
+    return {"matmul_peak_flops": peak, "matmul_n": n, "datasheet_peak_flops": sheet,
+            "datasheet_note": note, "models": results}

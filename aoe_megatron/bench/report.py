@@ -57,6 +57,25 @@ def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / MIB:.1f}"
 
 
+def _layer_notes(layer: dict) -> list[str]:
+    """The experts class each megatron-core arm ran, and the arms left out, each with why."""
+    classes = sorted({(arm, a["experts_class"]) for res in layer.values()
+                      for arm, a in res["arms"].items() if a.get("experts_class") and
+                      not a["experts_class"].startswith("AoE")})
+    out = []
+    if classes:
+        adapter = (" (GroupedMLP through a `torch._grouped_mm` adapter: "
+                   "`aoe_megatron/bench/mcore_grouped.py`)" if ("moe-grouped", "GroupedMLP") in classes
+                   else "")
+        out += ["", "megatron-core's experts: " + ", ".join(f"`{arm}` {cls}" for arm, cls in classes)
+                + adapter + "."]
+    skipped = [f"{name} `{arm}`: {why}" for name, res in layer.items()
+               for arm, why in res.get("skipped_arms", {}).items()]
+    if skipped:
+        out += ["", "Not measured: " + "; ".join(skipped) + "."]
+    return out
+
+
 def layer_tables(layer: dict) -> list[str]:
     out = ["## Layer level: one MoE block, forward + backward", "",
            "Time in ms: median (min-max) over the timed reps, arms alternating. Saved: bytes autograd "
@@ -78,6 +97,7 @@ def layer_tables(layer: dict) -> list[str]:
                        f'{_mib(a["saved_bytes"])} | {_mib(a["peak_bytes"])} | '
                        f'{model / 1e9:.1f} ({hw / 1e9:.1f}) | {width} | {e["params"]:,} | '
                        f'{e["params_vs_moe"]:.4f} |')
+    out += _layer_notes(layer)
     out += ["", "Ratios against `moe` (medians) and the issue #11 targets: time <= FLOP ratio + 0.02 "
             "(the arm's model FLOPs), saved bytes <= 1.03 under the same recompute policy.", "",
             "| shape | arm | FLOP ratio model (hw) | time | CPU time | saved | peak | target time | target saved |",
@@ -112,21 +132,31 @@ def layer_tables(layer: dict) -> list[str]:
     return out
 
 
+def _pct(r: float | None) -> str:
+    return "n/a" if r is None else f"{r * 100:.1f}%"
+
+
 def model_tables(model: dict) -> list[str]:
+    n, sheet = model["matmul_n"], model["datasheet_peak_flops"]
+    sheet_text = (f"{sheet / 1e12:.0f} TFLOP/s" if sheet else "none") + f' ({model["datasheet_note"]})'
     out = ["## Model level: GPTModel training step (fwd + bwd + AdamW)", "",
-           f'Matmul peak measured in this run: {model["peak_flops"] / 1e9:.1f} GFLOP/s. '
-           "MFU = (6 N T + 12 L D S T) / step time / peak (N: parameters a token multiplies by). "
+           "MFU = (6 N T + 12 L D S T) / step time / peak (N: parameters a token multiplies by), "
+           f"against two peaks: MFU vs matmul, a {n}x{n}x{n} matmul measured in this run "
+           f'({model["matmul_peak_flops"] / 1e9:.1f} GFLOP/s); MFU vs datasheet, the GPU\'s '
+           f"dense bf16 datasheet peak: {sheet_text}. "
            "Peak memory: what a step adds above parameters and AdamW state, its gradients included.", "",
-           "| model | arch | layers x seq x batch | wall ms | tokens/s | peak MiB | MFU |",
-           "|---|---|---|---|---|---|---|"]
+           "| model | arch | layers x seq x batch | wall ms | tokens/s | peak MiB | MFU vs matmul | "
+           "MFU vs datasheet |",
+           "|---|---|---|---|---|---|---|---|"]
     for name, res in model["models"].items():
         dims = f'{res["num_layers"]} x {res["seq_length"]} x {res["micro_batch"]}'
         for arch, a in res["archs"].items():
             out.append(f'| {name} | {arch} | {dims} | {_ms(a["time_s"])} | {a["tokens_per_s"]:.0f} | '
-                       f'{_mib(a["peak_bytes"])} | {a["mfu"] * 100:.1f}% |')
+                       f'{_mib(a["peak_bytes"])} | {_pct(a["mfu_matmul"])} | '
+                       f'{_pct(a["mfu_datasheet"])} |')
         for arch, r in res["ratios"].items():
             out.append(f'| {name} | {arch}/moe | | time {_x(r["time"])} | FLOPs {_x(r["flops"])} | '
-                       f'peak {_x(r["peak"])} | |')
+                       f'peak {_x(r["peak"])} | | |')
     return out
 
 

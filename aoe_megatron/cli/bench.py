@@ -73,8 +73,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", type=_csv, default=list(LEVELS),
                     help=f"comma-separated levels to run, of {','.join(LEVELS)} (default: all)")
     ap.add_argument("--shapes", type=_csv,
-                    help="comma-separated layer shapes to run (default: all, 732m,4b,fine64; "
-                         "with --quick: tiny8,tiny64)")
+                    help="comma-separated layer shapes to run (default: 732m,4b,fine64; with "
+                         "--quick: tiny8,tiny64); run only when named: 732m-ep8,4b-ep8 (with "
+                         "--quick: tiny8-ep8), the block as one rank of an EP=8 job computes it")
     ap.add_argument("--arms", type=_csv,
                     help=f"comma-separated layer arms, of {','.join(ARM_FIELDS)}; moe, the "
                          "baseline, always runs, and an arm that does not apply at a shape is "

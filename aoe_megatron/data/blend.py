@@ -93,6 +93,9 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
                    manifests: Optional[dict] = None):
     """(train, valid, test) GPTDatasets over the blend; ``num_samples`` = (train, valid, test).
 
+    ``cache_dir``: where megatron-core keeps the sample indices (``data/index_cache.py``): built
+    by global rank 0, read by every rank. None (one process only): a temporary folder, deleted
+    after the build; nothing is ever written beside the datasets.
     ``manifests``: the datasets' manifests when already read (a resolved run's).
     A split with 0 samples is not built and comes back as None (an empty split that is built
     would hang megatron-core: ``data/splits.py``). With ``valid_blend``, ``blend`` alone feeds
@@ -137,6 +140,53 @@ def build_datasets(data_config, *, seq_length: int, seed: int, num_samples,
         gpt_cfg.split_matrix = [m if n else None for m, n in zip(gpt_cfg.split_matrix, num_samples)]
         if not any(gpt_cfg.split_matrix):
             return None, None, None
-    return BlendedMegatronDatasetBuilder(
-        GPTDataset, list(num_samples), lambda: True, gpt_cfg
-    ).build()
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, list(num_samples), lambda: True, gpt_cfg)
+    return _build_with_cache(builder, cache_dir)
+
+
+def _build_with_cache(builder, cache_dir: Optional[str]):
+    """``builder.build()`` with its index cache in ``cache_dir`` (a temporary folder if None)."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    from aoe_megatron.data import index_cache
+
+    if not dist.is_initialized():  # megatron-core asks the rank once a cache path is set
+        with _one_process_group():
+            return _build_with_cache(builder, cache_dir)
+    rank = dist.get_rank()
+    if cache_dir is None:
+        if dist.get_world_size() > 1:
+            raise ValueError("build_datasets at world size > 1 needs cache_dir: every rank reads "
+                             "the indices rank 0 builds there")
+        temporary = tempfile.mkdtemp(prefix="aoe-data-index-")
+        try:
+            builder.config.path_to_cache = temporary
+            return builder.build()  # built in memory on a miss: the folder can go
+        finally:
+            shutil.rmtree(temporary, ignore_errors=True)
+    if rank == 0:
+        index_cache.prepare(cache_dir)
+    try:
+        return builder.build()
+    except OSError as err:
+        problem = index_cache.unreadable(err, cache_dir, rank)
+        if problem is None:
+            raise
+        raise problem from err
+
+
+class _one_process_group:
+    """A world of one (gloo, in-memory store) for the length of a build in a process without one."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

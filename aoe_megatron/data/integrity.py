@@ -17,14 +17,13 @@ recorded.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from aoe_megatron.runtime.integrity import sha256_file
+from aoe_megatron.runtime.hashing import HashingWriter, sha256_file
 
 #: megatron-core's index format (megatron/core/datasets/indexed_dataset.py, 0.16.1): magic,
 #: version <Q, dtype code <B, sequence count <Q, document count <Q, then int32 lengths, int64
@@ -41,30 +40,12 @@ class CorpusDamaged(ValueError):
     """A dataset's files are not those its manifest describes."""
 
 
-class HashingWriter:
-    """A binary file that hashes and counts what goes through ``write`` (the ``.bin`` is
-    hashed as preprocessing writes it, not in a second pass)."""
-
-    def __init__(self, file):
-        self._file, self.size, self._sha = file, 0, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self._sha.update(data)
-        self.size += len(data)
-        return self._file.write(data)
-
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
-
-    def __getattr__(self, name):  # close, flush, ... of the file itself
-        return getattr(self._file, name)
-
-
 def file_record(path: str, *, writer: Optional[HashingWriter] = None,
                 progress: Optional[Callable[[int], None]] = None) -> dict:
-    """{"size", "sha256"} of a file just written (from ``writer`` when it hashed the writes);
+    """{"size", "sha256"} of a file just written: from ``writer`` when it hashed the writes (the
+    ``.bin`` is hashed as preprocessing writes it, not in a second pass), else read back;
     ``progress(n)`` after each chunk hashed."""
-    if writer is not None:
+    if writer is not None and writer.valid:
         return {"size": writer.size, "sha256": writer.hexdigest()}
     return {"size": os.path.getsize(path), "sha256": sha256_file(path, progress)}
 

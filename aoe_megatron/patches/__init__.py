@@ -15,7 +15,8 @@ Each module here:
   - exposes ``apply() -> bool`` returning whether it changed anything on this machine.
 
 CPU patches apply only when CUDA is absent; ``mcore_moe_utils`` applies whenever TransformerEngine
-is absent (a NameError on GPUs too, 0.16.1). DeepSpeed's patches (``deepspeed_*``) apply through
+is absent (a NameError on GPUs too, 0.16.1); the checkpoint writer's (``mcore_dist_ckpt_results_queue``,
+``mcore_dist_ckpt_write_digests``) on every device. DeepSpeed's patches (``deepspeed_*``) apply through
 :func:`apply_deepspeed_patches`, once DeepSpeed is imported.
 """
 
@@ -29,6 +30,7 @@ from . import (
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
+    mcore_dist_ckpt_write_digests,
     mcore_jit,
     mcore_moe_router,
     mcore_moe_token_dispatcher,
@@ -55,6 +57,7 @@ ALL_PATCHES = (
     mcore_dist_ckpt_filesystem_async,
     mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
+    mcore_dist_ckpt_write_digests,
 )
 
 #: DeepSpeed's, applied by :func:`apply_deepspeed_patches` when DeepSpeed is imported (processes

@@ -21,8 +21,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+BACKEND_VAR = "AOE_DIST_BACKEND"
+"""Forces the backend: ``nccl`` or ``gloo`` (gloo takes CUDA tensors too; the GPU check falls back
+to it when NCCL refuses its ranks). Unset: NCCL with CUDA, else gloo."""
+HOST_PER_RANK_VAR = "AOE_NCCL_HOST_PER_RANK"
+"""``1``: each rank gets its own ``NCCL_HOSTID`` (``default_backend``)."""
+
+
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """NCCL with CUDA, else gloo, unless ``AOE_DIST_BACKEND`` says which.
+
+    With NCCL and ``AOE_NCCL_HOST_PER_RANK=1``, this process's ``NCCL_HOSTID`` is set to
+    ``<hostname>-rank<RANK>`` first. NOTE: NCCL refuses two ranks on one GPU of one host
+    ("Duplicate GPU detected"); ranks it takes for different hosts talk over its network
+    transport (sockets) instead, so several ranks can share one GPU: the GPU check's
+    expert-parallel step on a one-GPU machine. RANK, not LOCAL_RANK, which
+    ``local_device_index`` has already rewritten to the device index (0 for every rank there).
+    """
+    backend = os.environ.get(BACKEND_VAR) or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"{BACKEND_VAR}={backend!r}: expected nccl or gloo")
+    if backend == "nccl" and os.environ.get(HOST_PER_RANK_VAR) == "1":
+        os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-rank{os.environ.get('RANK', '0')}"
+    return backend
 
 
 def comm_device(group=None) -> torch.device:
@@ -131,8 +152,14 @@ def init_megatron(
         pipeline_model_parallel_size=1,
         expert_model_parallel_size=expert_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
+        # NOTE: megatron-core's default also builds gloo groups for DP, DP-with-CP and expert-DP
+        # (its distributed optimizer's CPU-side collectives): each connects every pair of its
+        # ranks over TCP at start-up, on the address the hostname resolves to; where that is
+        # 127.0.1.1 or a firewalled interface, a multi-node job hangs before step 1. Nothing of
+        # ours (DeepSpeed's ZeRO, the checkpoint writer, the collectives of runtime/) uses them.
+        create_gloo_process_groups=False,
     )
-    bound_collective_waits(timeout_minutes)  # megatron-core creates one gloo group without it
+    bound_collective_waits(timeout_minutes)  # any group made without it (DeepSpeed's: later)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
 
@@ -171,7 +198,8 @@ def _forked_children_die_with_their_parent() -> None:
 def bound_collective_waits(timeout_minutes: float) -> None:
     """Give every process group that exists now this timeout. Groups created without one keep
     torch's 30 minutes: DeepSpeed's copy of the world group (ZeRO's gradient reductions), created
-    by ``deepspeed.initialize``, and megatron-core's expert-data-parallel gloo group.
+    by ``deepspeed.initialize`` (megatron-core's expert-data-parallel gloo group was another,
+    until ``init_megatron`` stopped asking for gloo groups).
 
     NOTE: ``_set_pg_timeout`` is private; megatron-core's ``update_pg_timeout`` calls it too, but
     only on the groups megatron-core made."""

@@ -8,6 +8,11 @@ Every reader of a checkpoint (resume, ``--load-weights``, the HF export, the stu
 it first: resume through ``verify`` (it falls back to an older checkpoint), the others through
 ``require_verified`` (they refuse it).
 
+Writing a manifest reads no file that was hashed as it was written: megatron-core's writers leave
+a digest record beside each data file (``patches/mcore_dist_ckpt_write_digests.py``,
+``runtime/hashing.py``), which stands for a re-read while the file's size and mtime are those
+recorded; the records are removed before the manifest is written and are never part of it.
+
 What scales: sizes are always checked; hashing runs on ``THREADS`` threads in each rank (hashlib
 releases the GIL). Resume alone may trust a stamp: ``.verified.json`` records, for each file
 hashed (when the checkpoint was written, or by a later resume), its size, mtime and ctime; a
@@ -18,7 +23,6 @@ times alone (media bit rot under a file system that does not checksum) passes a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -26,11 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
+from aoe_megatron.runtime.hashing import (RECORD_SUFFIX, is_record, record_path, recorded_sha256,
+                                           sha256_bytes, sha256_file)
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 MANIFESTS_SINCE = 2
 """The checkpoint format (``checkpoint.FORMAT``, state.json's "format") that added manifest.json."""
-_CHUNK = 8 << 20
 STAMPS = ".verified.json"
 """Per checkpoint: the stamp (size, mtime, ctime) of each file when last hashed; resume's shortcut."""
 THREADS = max(1, int(os.environ.get("AOE_VERIFY_THREADS", min(8, os.cpu_count() or 1))))
@@ -49,21 +55,10 @@ class CheckpointDamaged(ValueError):
     would meet the same files)."""
 
 
-def sha256_file(path, progress: Optional[Callable[[int], None]] = None) -> str:
-    """The file's sha256; ``progress(n)`` after each chunk of n bytes, if given."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-            if progress is not None:
-                progress(len(chunk))
-    return digest.hexdigest()
-
-
 def _files(root: Path) -> list:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")
                   if p.is_file() and p.name not in (MANIFEST, STAMPS)
-                  and not p.name.endswith(".tmp"))
+                  and not p.name.endswith(".tmp") and not is_record(p.name))
 
 
 def _stamp(path: Path) -> list:
@@ -113,18 +108,52 @@ def _gather(obj, dist, world: int) -> list:
     return out
 
 
-def write_manifest(root) -> dict:
-    """Hash every file under ``root`` (collective when a process group exists); rank 0 writes
-    ``manifest.json``. Returns the manifest on every rank."""
+def hash_files(root) -> dict:
+    """Each file under ``root``: {name: {"size", "sha256", "stamp"}}, on every rank (collective
+    when a process group exists; each rank takes its share). A digest recorded as the file was
+    written (``hashing.recorded_sha256``) stands for hashing it; the others are read and hashed.
+    Removes the digest records, so none is left in the checkpoint."""
     root = Path(root)
     dist, rank, world = _dist()
     names = [n for i, n in enumerate(_files(root)) if i % world == rank]
-    stamps = [_stamp(root / n) for n in names]
-    mine = {n: {"size": stamp[0], "sha256": sha, "stamp": stamp}
-            for n, stamp, sha in zip(names, stamps, _hash_many([root / n for n in names]))}
+    mine, to_hash = {}, []
+    for name in names:
+        stat = (root / name).stat()
+        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+        sha = recorded_sha256(root / name, stat)
+        if sha is None:
+            to_hash.append((name, stamp))
+        else:
+            mine[name] = {"size": stamp[0], "sha256": sha, "stamp": stamp}
+    for (name, stamp), sha in zip(to_hash, _hash_many([root / n for n, _ in to_hash])):
+        mine[name] = {"size": stamp[0], "sha256": sha, "stamp": stamp}
+    for name in names:
+        record_path(root / name).unlink(missing_ok=True)
     files = {}
     for part in _gather(mine, dist, world):
         files.update(part)
+    if rank == 0:  # records of files no rank listed (an orphan: its file is gone)
+        for stray in list(root.rglob("*" + RECORD_SUFFIX)):
+            stray.unlink(missing_ok=True)
+    return files
+
+
+def write_manifest(root, *, files: Optional[dict] = None,
+                   written: Optional[dict] = None) -> dict:
+    """Write ``manifest.json`` (rank 0) with every file of ``root`` and its .verified.json stamps.
+
+    ``files``: ``hash_files(root)`` already taken (by default it is taken here: collective).
+    ``written`` ({name: bytes}, rank 0's): files rank 0 writes into ``root`` now, hashed from
+    memory (the checkpoint's state.json, which records how long the save took up to here).
+    Returns the manifest (rank 0's has ``written`` too)."""
+    root = Path(root)
+    _, rank, _ = _dist()
+    files = dict(hash_files(root) if files is None else files)
+    if rank == 0:
+        for name, data in (written or {}).items():
+            (root / name).write_bytes(data)
+            files[name] = {"size": len(data), "sha256": sha256_bytes(data),
+                           "stamp": _stamp(root / name)}
     manifest = {"format": FORMAT, "files": {n: {"size": e["size"], "sha256": e["sha256"]}
                                             for n, e in sorted(files.items())}}
     if rank == 0:

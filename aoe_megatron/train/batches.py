@@ -13,26 +13,49 @@ def random_batch(index: int, micro: int, seq_length: int, vocab: int):
     return torch.randint(0, vocab, (micro, seq_length + 1), generator=gen)
 
 
+def sample_counts(run: Run, dp_size: int) -> tuple:
+    """(train, valid, test) samples the run reads at ``dp_size`` data-parallel ranks: they decide
+    the datasets' indices (and so their cache files)."""
+    cfg = run.cfg
+    # validation reads eval_iters batches at each evaluation (none with --eval-interval 0); the
+    # test split is never read: a split asked for 0 samples is not built.
+    evals = (run.steps // cfg.eval_interval + 1) if cfg.eval_interval else 0
+    per_eval = cfg.eval_iters * cfg.micro_batch_size * dp_size
+    return run.steps * cfg.global_batch_size, per_eval * evals, 0
+
+
+def build_run_datasets(run: Run, dp_size: int, say=None) -> tuple:
+    """The run's (train, valid, test) datasets, their sample indices in the run's data index
+    cache (``data/index_cache.py``; rank 0 says whether it built or reused them)."""
+    import time
+
+    import torch.distributed as dist
+
+    from aoe_megatron.data import index_cache
+    from aoe_megatron.data.blend import build_datasets
+
+    cache = index_cache.default_path(run.cfg)
+    rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    before, start = (index_cache.index_files(cache) if rank0 else {}), time.perf_counter()
+    datasets = build_datasets(run.data, seq_length=run.model.seq_length, seed=run.cfg.seed,
+                              num_samples=sample_counts(run, dp_size), manifests=run.manifests,
+                              cache_dir=cache)
+    if rank0:
+        (say or (lambda m: print(m, flush=True)))(index_cache.describe(
+            before, index_cache.index_files(cache), cache, time.perf_counter() - start))
+    return datasets
+
+
 class Batches:
     """Micro-batches by global sample index, so a resumed run sees exactly the same data."""
 
     def __init__(self, run: Run, dp_rank: int, dp_size: int):
-        self.cfg, self.model_cfg = cfg, model_cfg = run.cfg, run.model
+        self.cfg, self.model_cfg = run.cfg, run.model
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.train = self.valid = None
         self.run_data = run.data is not None
         if run.data is not None:
-            from aoe_megatron.data.blend import build_datasets
-
-            # validation reads eval_iters batches at each evaluation (none with --eval-interval
-            # 0); the test split is never read: a split asked for 0 samples is not built.
-            evals = (run.steps // cfg.eval_interval + 1) if cfg.eval_interval else 0
-            per_eval = cfg.eval_iters * cfg.micro_batch_size * dp_size
-            self.train, self.valid, _ = build_datasets(
-                run.data, seq_length=model_cfg.seq_length, seed=cfg.seed,
-                num_samples=(run.steps * cfg.global_batch_size, per_eval * evals, 0),
-                manifests=run.manifests,
-            )
+            self.train, self.valid, _ = build_run_datasets(run, dp_size)
 
     def _take(self, dataset, start: int, count: int, salt: int) -> torch.Tensor:
         if dataset is None:

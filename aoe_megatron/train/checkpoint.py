@@ -14,6 +14,8 @@ It is written as ``step_N.partial-*`` and renamed when complete on every rank; t
 ``latest`` untouched. Resuming verifies the manifest and falls back to the newest older
 checkpoint that verifies; ``last_verified`` names the newest checkpoint that passed a check, and
 retention (``keep_last``) never deletes it or the one ``latest`` names.
+
+The save itself is ``train/checkpoint_save.py``; this module resumes, loads and keeps the folder.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -30,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from aoe_megatron.runtime import integrity
-from aoe_megatron.runtime.versions import installed_mcore
 from aoe_megatron.train import optim_state
 from aoe_megatron.train.host_memory import PeakHostMemory
 from aoe_megatron.train.resume_checks import ResumeError, check_config, check_release, check_schedule
@@ -100,60 +100,6 @@ def start_writer() -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_samples: int,
-                    layout: dict, config: dict, extra: Optional[dict] = None,
-                    keep_last: int = 0, stats: Optional[dict] = None) -> Path:
-    """Write a checkpoint collectively (every rank calls this); returns its directory.
-    ``stats``, if given, receives ``host_peak_bytes``: the most any rank's host memory rose while
-    writing the model and optimizer state (None where it cannot be measured)."""
-    from megatron.core import dist_checkpointing
-
-    rank = dist.get_rank()
-    root = Path(ckpt_dir)
-    final = root / _name(step)
-    # Every rank uses rank 0's temporary name.
-    tmp_name = [f"{_name(step)}.partial-{socket.gethostname()}-{os.getpid()}" if rank == 0 else None]
-    dist.broadcast_object_list(tmp_name, src=0)
-    tmp = root / tmp_name[0]
-    if rank == 0:
-        for sub in ("model", "optimizer", "rng"):
-            (tmp / sub).mkdir(parents=True)
-    dist.barrier()
-    try:
-        with PeakHostMemory() as peak, optim_state.gathered(engine, model):
-            dist_checkpointing.save(model.sharded_state_dict(), str(tmp / "model"))
-            dist_checkpointing.save(optim_state.sharded_optimizer_state(model, engine),
-                                    str(tmp / "optimizer"))
-        if stats is not None:
-            stats["host_peak_bytes"] = _max_over_ranks(peak.added_bytes)
-        torch.save(optim_state.rng_state(), tmp / "rng" / f"rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            state = {"format": FORMAT, "step": step, "consumed_samples": consumed_samples,
-                     "adam_step": optim_state.adam_step(engine),
-                     "scheduler_last_epoch": scheduler.last_epoch, "layout": layout,
-                     "config": config, "megatron_core": installed_mcore(), **(extra or {})}
-            if (in_force := optim_state.schedule_in_force(scheduler)) is not None:
-                state["schedule"] = in_force.record()  # what a resume compares its own with
-            (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-        dist.barrier()
-        integrity.write_manifest(tmp)
-    except BaseException:
-        if rank == 0:  # best effort: the half-written directory is never read, but takes space
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    dist.barrier()
-    if rank == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_pointer(root, LATEST, final.name)
-        if keep_last:
-            apply_retention(root, keep_last)
-    dist.barrier()
-    return final
 
 
 def _max_over_ranks(nbytes: Optional[int]) -> Optional[int]:

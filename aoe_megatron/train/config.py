@@ -151,6 +151,18 @@ class TrainConfig:
     tokenizer_model: Optional[str] = setting(None, DATA, "if given, the data must have been "
                                              "tokenized with this sentencepiece file (its sha256 "
                                              "is checked)", megatron="--tokenizer-model")
+    data_cache_path: Optional[str] = setting(
+        None, DATA, "folder of megatron-core's dataset sample indices, built by rank 0 and read "
+        "by every rank: on a filesystem every node sees (default: data-cache beside the run "
+        "directory; never inside the corpus)", megatron="--data-cache-path")
+    build_data_index_only: bool = setting(
+        False, DATA, "build the data index cache for this command's exact settings and exit "
+        "(one process, no GPU: a CPU node ahead of the job, which then reuses it); with "
+        "--world-size")
+    world_size: Optional[int] = setting(
+        None, DATA, "with --build-data-index-only: the job's process count (nodes x GPUs per "
+        "node), which decides its validation samples (default: WORLD_SIZE, else 1); training "
+        "takes it from the launcher")
     allow_data_change: bool = setting(False, DATA, "resume even if the data differs from the "
                                       "checkpoint's record; a warning shows both, and later "
                                       "checkpoints record the new data")

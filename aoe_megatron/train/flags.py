@@ -56,7 +56,8 @@ METAVARS = {"preset": "NAME|YAML", "arch": "{aoe,moe}", "zero_stage": "{1,2,3}",
             "precision": "{auto,bf16,fp32}", "grad_accum_dtype": "{fp32,bf16}", "save": "DIR",
             "load": "DIR", "ckpt_dir": "DIR", "load_weights": "STEP_DIR",
             "data": "YAML|PREFIX", "split": "A,B,C",
-            "tokenizer_model": "FILE", "run_dir": "DIR", "inject_nonfinite": "STEPS"}
+            "tokenizer_model": "FILE", "run_dir": "DIR", "inject_nonfinite": "STEPS",
+            "data_cache_path": "DIR"}
 
 
 def _default_text(f) -> str:

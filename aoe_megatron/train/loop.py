@@ -23,11 +23,11 @@ from aoe_megatron.runtime.launch import SUMMARY_VAR
 from aoe_megatron.train.config import TrainConfig, adopt_slurm_env
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record
-from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.run import Run, parse_run, resolve
 from aoe_megatron.train.run_dir import open_run_dir, resolve_run_dir
 from aoe_megatron.train.setup import Parts, set_up
 from aoe_megatron.train.step import StepResult, train_step
+from aoe_megatron.train.stop_window import StopWindow
 
 EXIT_OK = 0
 """Finished, or stopped by a signal after saving: the run directory tells them apart
@@ -77,6 +77,9 @@ class EndOfStep:
         self.losses: dict = {}
         self.valid_losses: dict = {}
         self.stopped = False
+        resumed = parts.start and parts.rank == 0  # rank 0 reads the checkpoints' save records
+        self.window = StopWindow(start_step=parts.start, say=self._say, reporter=reporter,
+                                 resumed_from=self.cfg.load_dir() if resumed else None)
 
     def __call__(self, result: StepResult) -> bool:
         """True: the run ends after this step (finished, or stopped by a signal)."""
@@ -93,7 +96,8 @@ class EndOfStep:
         else:
             stats = selection_stats(parts.model, parts.stock_stats) if result.log else {}
             self.reporter.step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
-                               stats=stats, aux_loss=result.aux_loss, console=result.log)
+                               stats=stats, aux_loss=result.aux_loss, console=result.log,
+                               bias_tokens=result.bias_tokens)
         done = step == self.run.steps
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or done):
             self.evaluate(step)
@@ -131,24 +135,21 @@ class EndOfStep:
         return value
 
     def save(self, step: int) -> None:
-        from aoe_megatron.train import checkpoint as ckpt
+        from aoe_megatron.train.checkpoint_save import save_checkpoint
 
         parts, cfg = self.parts, self.cfg
         if not cfg.save_dir():
             return
         stats, began = {}, time.perf_counter()
-        path = ckpt.save_checkpoint(cfg.save_dir(), step=step, engine=parts.engine,
-                                    model=parts.model, scheduler=parts.scheduler,
-                                    consumed_samples=step * cfg.global_batch_size,
-                                    layout=parts.layout, config=self.run.record(),
-                                    keep_last=cfg.keep_last,
-                                    extra={"data": parts.data_fingerprint,
-                                           **parts.nonfinite.state()},
-                                    stats=stats)
-        peak = stats.get("host_peak_bytes")
-        self._say(f"saved {path} ({time.perf_counter() - began:.1f} s"
-                  + (f"; host memory peak +{gib(peak)} on the busiest rank" if peak is not None
-                     else "") + ")")
+        path = save_checkpoint(cfg.save_dir(), step=step, engine=parts.engine,
+                               model=parts.model, scheduler=parts.scheduler,
+                               consumed_samples=step * cfg.global_batch_size,
+                               layout=parts.layout, config=self.run.record(),
+                               keep_last=cfg.keep_last,
+                               extra={"data": parts.data_fingerprint,
+                                      **parts.nonfinite.state(), **self.window.record(step)},
+                               stats=stats)
+        self.window.saved(step, path, seconds=time.perf_counter() - began, stats=stats)
 
 
 def train(run) -> dict:
@@ -224,8 +225,19 @@ def _main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from aoe_megatron.data.index_cache import DataCacheError
     from aoe_megatron.runtime.distributed import shutdown
     from aoe_megatron.train.config import adopt_single_process_env
+
+    if run.cfg.build_data_index_only:
+        from aoe_megatron.train.data_index import build_index_only
+
+        try:
+            build_index_only(run, say=lambda m: print(m, flush=True))
+        except DataCacheError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return EXIT_OK
 
     adopt_single_process_env()
     rank0 = int(os.environ.get("RANK", "0")) == 0
@@ -248,6 +260,9 @@ def _main(argv=None) -> int:
         summary = train(run)
         if rank0 and os.environ.get(SUMMARY_VAR):  # for launchers (runtime.launch.run)
             Path(os.environ[SUMMARY_VAR]).write_text(json.dumps(summary) + "\n")
+    except DataCacheError as err:  # the same on a restart: a setting or filesystem to fix
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
     except TrainingHalted as err:  # non-finite step, changed data, no resumable checkpoint
         if rank0:
             print(f"error: {err}", file=sys.stderr, flush=True)

@@ -2,10 +2,14 @@
 ``metrics.jsonl`` in the run directory (one JSON object a line, for analysis tools: aoe-study).
 
 metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux_loss", "layers":
-{layer: {"ent_load", "ent_conf", "load": [f_i]}}}`` and ``{"kind": "valid", "step", "loss"}``.
+{layer: {"ent_load", "ent_conf", "load": [f_i]}}}`` (with an expert bias also ``"bias_tokens"``:
+each biased router's selections counted in the step, over all ranks, on logging steps) and
+``{"kind": "valid", "step", "loss"}``.
 ``layers`` is filled on logging steps only (``--log-interval``; its all-reduce is skipped on
 the others) and empty on the rest. A step with a non-finite loss or gradient norm has ``{"kind": "nonfinite", "step", "action":
 "skipped"|"stopped", "loss", "grad_norm", "skipped", "limit"}`` instead of its train line.
+Each checkpoint saved adds ``{"kind": "save", "step", "seconds", "bytes", "bytes_per_s",
+"stop_window_s", "needed_s"}`` (``train/stop_window.py``; the window None where unknown).
 A resumed run appends: a step logged twice (before and after a restart) keeps its last line. A run
 that resumes no checkpoint starts a file of its own (an earlier run's is moved aside first:
 ``train/run_dir.py``).
@@ -109,7 +113,7 @@ class Reporter:
         self.steps_since = 0
 
     def step(self, step: int, *, loss: float, lr: float, grad_norm, stats: dict,
-             aux_loss: float | None, console: bool) -> None:
+             aux_loss: float | None, console: bool, bias_tokens: list | None = None) -> None:
         self.steps_since += 1
         if not self.enabled:
             return
@@ -123,6 +127,7 @@ class Reporter:
         self._line({"kind": "train", "step": step, "loss": loss, "lr": lr,
                     "grad_norm": None if grad_norm is None else float(grad_norm),
                     "aux_loss": aux_loss,
+                    **({} if bias_tokens is None else {"bias_tokens": bias_tokens}),
                     "layers": {str(layer): {"ent_load": s["ent_load"], "ent_conf": s["ent_conf"],
                                             "load": s["load"]} for layer, s in stats.items()}})
         for layer, s in stats.items():
@@ -156,6 +161,18 @@ the others) and empty on the rest. A step with a non-finite loss or gradient nor
                     "action": "stopped" if verdict.stopped else "skipped",
                     "loss": _number(verdict.loss), "grad_norm": _number(verdict.grad_norm),
                     "skipped": verdict.skipped, "limit": verdict.limit})
+
+    def save(self, step: int, *, seconds: float, nbytes, window, needed: float) -> None:
+        """A checkpoint saved: its seconds and bytes, against the stop window (``stop_window``)."""
+        if not self.enabled:
+            return
+        rate = nbytes / seconds if nbytes and seconds > 0 else None
+        self.writer.add_scalar("checkpoint/save_seconds", seconds, step)
+        if rate is not None:
+            self.writer.add_scalar("checkpoint/save_GB_per_s", rate / 1e9, step)
+        self._line({"kind": "save", "step": step, "seconds": round(seconds, 3), "bytes": nbytes,
+                    "bytes_per_s": None if rate is None else round(rate), "stop_window_s": window,
+                    "needed_s": round(needed, 1)})
 
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.enabled:

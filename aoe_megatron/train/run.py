@@ -57,6 +57,13 @@ def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
     names; raises ValueError naming the problem. Touches no process group."""
     world = world_size_from_env() if world_size is None else world_size
     _check_settings(cfg)
+    if cfg.world_size is not None:
+        if not cfg.build_data_index_only:
+            raise ValueError("--world-size goes with --build-data-index-only (the job the cache "
+                             "is built for); training takes its world size from the launcher")
+        if cfg.world_size <= 0:
+            raise ValueError(f"--world-size must be positive, got {cfg.world_size}")
+        world = cfg.world_size
     model = model_of_preset(preset_dict(cfg.preset) if preset is None else preset,
                             **cfg.model_overrides_dict())  # unknown keys, bad settings raise
     _check_layout(cfg, model, world)
@@ -113,6 +120,9 @@ def _check_settings(cfg: TrainConfig) -> None:
         raise ValueError("intervals must be >= 0")
     if cfg.skip_nonfinite < 0:
         raise ValueError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
+    if cfg.build_data_index_only and cfg.mock_data:
+        raise ValueError("--build-data-index-only builds the index of --data-path's datasets; "
+                         "--mock-data has none")
     if not cfg.distributed_timeout_minutes > 0:
         raise ValueError(f"--distributed-timeout-minutes must be positive, got "
                          f"{cfg.distributed_timeout_minutes}")

@@ -33,6 +33,9 @@ class StepResult:
     """megatron-core's load-balancing loss (MoE baseline), on logging steps."""
     log: bool
     """A logging step: statistics are gathered and a console line printed."""
+    bias_tokens: Optional[list] = None
+    """Per router with an expert bias: the selections it counted this step over all ranks (with
+    top-k selection, tokens x k: once per micro-batch, recomputed layers included)."""
 
 
 def agree_on_step(loss: torch.Tensor, *, stop_raised: bool,
@@ -84,9 +87,13 @@ def train_step(parts, step: int, *, stop_flag, log: bool) -> StepResult:
     loads = step_loads(parts.biased_routers)
     mean, nonfinite, stop = agree_on_step(step_loss, stop_raised=stop_flag.raised, loads=loads)
     applied = engine.was_step_applied()
+    bias_tokens = None
+    if loads is not None and log:
+        sizes = [r.expert_bias.numel() for r in parts.biased_routers]
+        bias_tokens = [float(part.sum()) for part in loads.split(sizes)]
     update_biases(parts.biased_routers, loads, applied=applied)
     grad_norm = engine.get_global_grad_norm()
     return StepResult(step=step + 1, loss=mean, lr=lr,
                       grad_norm=None if grad_norm is None else float(grad_norm),
                       applied=applied, nonfinite_ranks=nonfinite, stop=stop,
-                      aux_loss=aux, log=log)
+                      aux_loss=aux, log=log, bias_tokens=bias_tokens)
