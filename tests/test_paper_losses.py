@@ -141,10 +141,12 @@ BLOCKS = {
     "aoe_config3": {"arch": "aoe", "aoe": {"rank_source": "router"}},
     "aoe_imitation": {"arch": "aoe", "aoe": {"inference_selection": "router"}},
     "aoe_unfactorized_std": {"arch": "aoe", "aoe": {"gate_init": "unfactorized_std"}},
+    "aoe_random": {"arch": "aoe", "alpha_aux": 0.0, "aoe": {"selection": "random"}},
     "moe": {"arch": "moe"},
     "moe_two_layer": {"arch": "moe", "router": {"gate": "two_layer", "hidden_per_expert": 4}},
     "moe_jitter": {"arch": "moe", "router": {"input_jitter": 0.01}},
     "moe_expert_choice": {"arch": "moe", "alpha_aux": 0.0, "router": {"selection": "expert_choice"}},
+    "moe_random": {"arch": "moe", "alpha_aux": 0.0, "router": {"selection": "random"}},
     "moe_hash": {"arch": "moe", "alpha_aux": 0.0,
                  "router": {"gate": "hash", "selection": "hash"}},
 }

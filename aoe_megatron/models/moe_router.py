@@ -20,7 +20,7 @@ from aoe_megatron.models.settings import RouterSettings
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.moe.router import SelectionRouter
 from aoe_megatron.moe.dispatcher import PairCountingAlltoAllTokenDispatcher
-from aoe_megatron.moe.selection import select_experts, selection_strategies, selects_top_k_per_token
+from aoe_megatron.moe.selection import check_options, selection_strategies, selects_top_k_per_token
 from aoe_megatron.runtime.versions import constructor_kwargs, refuse_mtp
 
 GATES = ("linear", "two_layer", "hash")
@@ -53,8 +53,8 @@ class RouterConfig(RouterSettings):
             raise ValueError(f"unknown selection strategy {self.selection!r}; "
                              f"choose one of {selection_strategies()}")
         try:
-            select_experts(torch.zeros(2, self.num_experts), strategy=self.selection,
-                           top_k=self.top_k, **self.selection_options)
+            check_options(self.selection, num_experts=self.num_experts, top_k=self.top_k,
+                          options=self.selection_options)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"selection_options {self.selection_options}: {exc}") from None
         if not (self.alpha_aux >= 0 and self.ent_conf_coeff >= 0 and 0 <= self.input_jitter < 1):

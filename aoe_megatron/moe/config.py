@@ -13,7 +13,7 @@ from aoe_megatron.moe.ops import (
     d_wide_for_parity,
     round_to_multiple,
 )
-from aoe_megatron.moe.selection import BIASABLE, select_experts, selection_strategies
+from aoe_megatron.moe.selection import BIASABLE, check_options, selection_strategies
 
 CACHE_MODES = ("send", "recompute")
 RANK_SOURCES = ("cache", "frozen_random", "router")
@@ -151,11 +151,9 @@ class AoEConfig:
                 f"unknown AoE selection strategy {self.selection!r}; "
                 f"choose one of {selection_strategies()}."
             )
-        try:  # the strategy accepts its options (a two-token dry run)
-            import torch
-
-            select_experts(torch.zeros(2, self.num_experts), strategy=self.selection,
-                           top_k=self.top_k, **self.selection_options)
+        try:  # the strategy accepts its options (a two-token dry run, the RNG untouched)
+            check_options(self.selection, num_experts=self.num_experts, top_k=self.top_k,
+                          options=self.selection_options)
         except (TypeError, ValueError) as exc:
             raise ValueError(
                 f"AoE selection_options {self.selection_options} for {self.selection!r}: {exc}"

@@ -168,3 +168,12 @@ def hash_selection(norms_TE: torch.Tensor, *, top_k: int, buckets_T=None) -> Sel
 def select_experts(norms_TE: torch.Tensor, *, strategy: str, top_k: int, **options) -> Selection:
     """Run the named strategy on per-expert norms; ``options`` go to the strategy."""
     return get_selection(strategy)(norms_TE, top_k=top_k, **options)
+
+
+def check_options(strategy: str, *, num_experts: int, top_k: int, options: dict) -> None:
+    """Raise (TypeError / ValueError) unless ``strategy`` accepts ``options``: a two-token dry
+    run. NOTE: on a forked RNG: a config is built after the run's ``torch.manual_seed``, and a
+    strategy that draws (``random``) would otherwise shift every weight initialised after it
+    (the random control would not start from the other arms' shared weights)."""
+    with torch.random.fork_rng(devices=[]):
+        select_experts(torch.zeros(2, num_experts), strategy=strategy, top_k=top_k, **options)
