@@ -66,11 +66,12 @@ if [ "$MCORE" != "$LAYER_MCORE" ] && [ -z "${GPU_CHECK_LAYER_PY:-}" ]; then
 sys.exit(m.version("megatron-core") != "'"$LAYER_MCORE"'")' >/dev/null 2>&1; then
     export GPU_CHECK_LAYER_PY="$ROOT/.venv/bin/python"
   elif [ ${#older[@]} -gt 0 ]; then
-    LAYER_SITE="${GPU_CHECK_LAYER_SITE:-/tmp/aoe-gpu-check-site-$LAYER_MCORE}"
-    echo "gpu_check.sh: the layer step on megatron-core $LAYER_MCORE: installing its wheels into $LAYER_SITE"
+    # megatron-core alone, ahead of everything else on the path (the other wheels are shared)
+    LAYER_SITE="${GPU_CHECK_LAYER_SITE:-/tmp/aoe-gpu-check-mcore-$LAYER_MCORE}"
+    echo "gpu_check.sh: the layer step on megatron-core $LAYER_MCORE: installing it into $LAYER_SITE"
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$LAYER_SITE" "$ROOT"/.whl/*.whl "${older[@]}"
-    export GPU_CHECK_LAYER_PY="$PY" GPU_CHECK_LAYER_PYTHONPATH="$ROOT:$LAYER_SITE"
+      --target "$LAYER_SITE" "${older[@]}"
+    export GPU_CHECK_LAYER_PY="$PY" GPU_CHECK_LAYER_PYTHONPATH="$ROOT:$LAYER_SITE${PYTHONPATH:+:$PYTHONPATH}"
   fi
 fi
 export PYTHONUNBUFFERED=1
