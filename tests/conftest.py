@@ -3,11 +3,13 @@ tokenized corpus and tiny trained checkpoints."""
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,3 +119,29 @@ def tiny_reference_run(tmp_path_factory):
     assert sorted(summary["losses"]) == list(range(1, 9)), summary["losses"]
     return {"args": args, "losses": summary["losses"], "summary": summary, "ckpt": tmp / "ck",
             "run": tmp / "run", "output": run.output}
+
+
+@pytest.fixture(scope="session")
+def study_data(tmp_path_factory):
+    """The study tests' corpus: two indexed datasets (train, held-out valid) from a small
+    tokenizer, and a data config."""
+    from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
+    from aoe_megatron.data.train_tokenizer import train_tokenizer
+
+    root = tmp_path_factory.mktemp("study_data")
+    words = "the king said unto his people that the river runs cold and the night is long".split()
+    for split, n in (("train", 160), ("valid", 30)):
+        src = root / f"{split}.jsonl"
+        with open(src, "w") as out:
+            for i in range(n):
+                text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(120))
+                out.write(json.dumps({"text": f"{split} {i}: {text}"}) + "\n")
+    tok = train_tokenizer([str(root / "train.jsonl")], str(root / "tok"), vocab_size=300)
+    for split in ("train", "valid"):
+        preprocess(PreprocessConfig(inputs=(str(root / f"{split}.jsonl"),),
+                                    output_prefix=str(root / split), append_eod=True, workers=0,
+                                    log_interval=1e9, tokenizer_model=str(tok)))
+    data = root / "data.yaml"
+    data.write_text(yaml.safe_dump({"blend": [{"prefix": str(root / "train_text_document"), "weight": 1.0}],
+                                    "valid_blend": [{"prefix": str(root / "valid_text_document"), "weight": 1.0}]}))
+    return data

@@ -25,7 +25,7 @@ ALLOWED = {
     "hf": {"data", "models", "moe", "runtime"},
     "evaluation": {"data", "hf", "models", "runtime"},
     "bench": {"models", "moe", "runtime", "train"},
-    "study": {"data", "evaluation", "hf", "models", "moe", "runtime", "train"},
+    "study": {"bench", "data", "evaluation", "hf", "models", "moe", "runtime", "train"},
     "cli": {"bench", "data", "evaluation", "hf", "models", "moe", "runtime", "study", "train"},
 }
 #: Modules that import nothing of the package and are open to every room: which megatron-core

@@ -18,31 +18,6 @@ T_975_ONE_DOF = 12.706204736174698  # Student t, 97.5% quantile, 1 degree of fre
 
 
 @pytest.fixture(scope="module")
-def study_data(tmp_path_factory):
-    """Two indexed datasets (train, held-out valid) from a small tokenizer, and a data config."""
-    from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
-    from aoe_megatron.data.train_tokenizer import train_tokenizer
-
-    root = tmp_path_factory.mktemp("study_data")
-    words = "the king said unto his people that the river runs cold and the night is long".split()
-    for split, n in (("train", 160), ("valid", 30)):
-        src = root / f"{split}.jsonl"
-        with open(src, "w") as out:
-            for i in range(n):
-                text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(120))
-                out.write(json.dumps({"text": f"{split} {i}: {text}"}) + "\n")
-    tok = train_tokenizer([str(root / "train.jsonl")], str(root / "tok"), vocab_size=300)
-    for split in ("train", "valid"):
-        preprocess(PreprocessConfig(inputs=(str(root / f"{split}.jsonl"),),
-                                    output_prefix=str(root / split), append_eod=True, workers=0,
-                                    log_interval=1e9, tokenizer_model=str(tok)))
-    data = root / "data.yaml"
-    data.write_text(yaml.safe_dump({"blend": [{"prefix": str(root / "train_text_document"), "weight": 1.0}],
-                                    "valid_blend": [{"prefix": str(root / "valid_text_document"), "weight": 1.0}]}))
-    return data
-
-
-@pytest.fixture(scope="module")
 def quick_spec(study_data, tmp_path_factory):
     raw = yaml.safe_load((ROOT / "run/studies/default.yaml").read_text())
     raw["quick"]["data"] = str(study_data)

@@ -6,6 +6,9 @@ studies/<name>/report.md, results.json and plots.
     aoe-study                          # the packaged `default` study (make study)
     aoe-study default --quick          # the same study, shrunk to minutes (the test's mode)
     aoe-study default --report-only    # rewrite the report from finished runs
+    aoe-study v2 --plan                # a staged study: what is done, to do, waiting
+    aoe-study v2 --budget-minutes 150  # start only the runs that end inside 150 minutes
+    aoe-study v2 --stage compare --arms moe,aoe --seeds 1
 
 Finished runs are reused and interrupted ones resume from their last checkpoint: run the same
 command again after an interrupt. Logs: studies/<name>/runs/<arm>/seed<k>/train.log.
@@ -42,7 +45,32 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--report-only", action="store_true",
                     help="write the report from the runs already finished and train nothing "
                          "(default: off)")
+    staged = ap.add_argument_group("a staged study (one with stages:, e.g. v2)")
+    staged.add_argument("--plan", action="store_true",
+                        help="print the plan (runs done, to do, waiting, their estimated "
+                             "minutes, the best settings so far) and run nothing (default: off)")
+    staged.add_argument("--stage", type=_names, default=(), metavar="NAMES",
+                        help="run only these stages, comma-separated (default: every stage)")
+    staged.add_argument("--arms", type=_names, default=(), metavar="NAMES",
+                        help="run only these arms, comma-separated (default: every arm)")
+    staged.add_argument("--seeds", type=_seeds, default=(), metavar="SEEDS",
+                        help="run only these seeds, comma-separated (default: every seed)")
+    staged.add_argument("--budget-minutes", type=float, metavar="MIN",
+                        help="start only runs whose estimated duration ends inside MIN minutes "
+                             "from now; the report then covers what has finished (default: no "
+                             "limit)")
     return ap
+
+
+def _names(text: str) -> tuple:
+    return tuple(n for n in text.split(",") if n)
+
+
+def _seeds(text: str) -> tuple:
+    try:
+        return tuple(int(n) for n in text.split(",") if n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are integers, comma-separated: {text!r}") from None
 
 
 def main(argv=None) -> int:
@@ -61,9 +89,21 @@ def main(argv=None) -> int:
         print(f"error: the study's data config {data} does not exist (make study-data builds the "
               f"study corpus)", file=sys.stderr)
         return 2
+    staged_flags = args.plan or args.stage or args.arms or args.seeds or args.budget_minutes is not None
+    if staged_flags and not study.stages:
+        print(f"error: --plan, --stage, --arms, --seeds and --budget-minutes apply to a staged "
+              f"study; {study.name} has no stages:", file=sys.stderr)
+        return 2
+    if study.stages:
+        bad = _unknown(args, study)
+        if bad:
+            print(f"error: {bad}", file=sys.stderr)
+            return 2
     out = args.out or Path("studies") / study.name
     out.mkdir(parents=True, exist_ok=True)
     command = " ".join([PROG, *argv])
+    if study.stages:
+        return _staged(study, out, args, command)
     print(f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds -> {out}", flush=True)
     t0 = time.perf_counter()
     try:
@@ -85,6 +125,46 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 130
     print(f"report: {out / 'report.md'} (results.json, *.png beside it)", flush=True)
+    return 0
+
+
+def _unknown(args, study) -> str:
+    stages, arms = {s.name for s in study.stages}, {a.name for a in study.arms}
+    for given, known, what in ((args.stage, stages, "stages"), (args.arms, arms, "arms")):
+        if set(given) - known:
+            return f"unknown {what} {sorted(set(given) - known)} (the study's: {sorted(known)})"
+    return ""
+
+
+def _staged(study, out: Path, args, command: str) -> int:
+    from aoe_megatron.study import plan as planning
+    from aoe_megatron.study.runner import StudyError
+    from aoe_megatron.study.staged import collect_staged, describe, run_staged
+
+    echo = lambda line: print(line, flush=True)  # noqa: E731
+    t0 = time.perf_counter()
+    try:
+        if args.plan:
+            describe(study, out, planning.make_plan(study, out), echo=echo)
+            return 0
+        if not args.report_only:
+            run_staged(study, out, stages=args.stage, arms=args.arms, seeds=args.seeds,
+                       budget_minutes=args.budget_minutes, echo=echo)
+        from aoe_megatron.study.report_staged import write_staged_report
+
+        results = collect_staged(study, out)
+        write_staged_report(study, out, results, wall_seconds=time.perf_counter() - t0,
+                            command=command.strip())
+    except (StudyError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: run the same command again to resume (finished runs are kept)",
+              file=sys.stderr)
+        return 130
+    missing = len(results["missing"])
+    echo(f"report: {out / 'report.md'}" + (f" (partial: {missing} runs missing, listed there)"
+                                           if missing else ""))
     return 0
 
 

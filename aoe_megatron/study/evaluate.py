@@ -79,7 +79,30 @@ def heldout_metrics(model, windows: torch.Tensor, *, batch_size: int, arch: str)
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": count, "layers": out_layers}
 
 
+def _earlier_checkpoints(ckpt, latest: dict, windows, *, batch_size: int, arch: str,
+                         verify: bool) -> dict:
+    """{step: held-out metrics} of every kept checkpoint of ``ckpt``'s folder before ``latest``
+    (the model of each loaded into one model object; each verified first unless not ``verify``)."""
+    from aoe_megatron.models.gpt import ModelConfig
+    from aoe_megatron.train.checkpoint import checkpoints as kept
+
+    folder = Path(latest["path"]).parent
+    cfg = ModelConfig.from_dict(latest["config"]["model"])
+    curve = {}
+    for step_dir in kept(folder):
+        if step_dir == Path(latest["path"]):
+            continue
+        path, state = checkpoints.open_checkpoint(step_dir, what="the evaluation", verify=verify)
+        model = checkpoints.load_model(path, cfg)
+        curve[str(state["step"])] = heldout_metrics(model, windows, batch_size=batch_size, arch=arch)
+        print(f"evaluated {path}: held-out loss {curve[str(state['step'])]['loss']:.4f}", flush=True)
+    return curve
+
+
 def evaluate(ckpt, data: str, settings: dict, *, verify: bool = True) -> dict:
+    """Held-out metrics of ``ckpt`` (a checkpoint, or a folder's latest); with
+    ``evaluation.checkpoints: all`` also of every earlier checkpoint the folder keeps, as
+    ``curve`` {step: metrics} (the latest included)."""
     model, state = load_model(ckpt, verify=verify)
     cfg = state["config"]["model"]
     ev = {**DEFAULT_EVAL, **(settings.get("evaluation") or {})}
@@ -88,6 +111,11 @@ def evaluate(ckpt, data: str, settings: dict, *, verify: bool = True) -> dict:
     result = {"checkpoint": state["path"], "step": state["step"], "settings": settings,
               "heldout": heldout_metrics(model, windows, batch_size=ev["batch_size"],
                                          arch=cfg["arch"])}
+    if ev.get("checkpoints") == "all":
+        curve = _earlier_checkpoints(ckpt, state, windows, batch_size=ev["batch_size"],
+                                     arch=cfg["arch"], verify=verify)
+        curve[str(state["step"])] = result["heldout"]
+        result["curve"] = dict(sorted(curve.items(), key=lambda kv: int(kv[0])))
     print(f"evaluated {state['path']}: held-out loss {result['heldout']['loss']:.4f} over "
           f"{result['heldout']['tokens']} tokens", flush=True)
     probe = settings.get("probe")

@@ -35,13 +35,14 @@ from aoe_megatron.models.gpt import ModelConfig, _merge
 from aoe_megatron.models.settings import SECTIONS, upgrade_sections
 from aoe_megatron.moe.config import LEGACY_KEYS
 from aoe_megatron.runtime import resources
+from aoe_megatron.study.stages import StageError, parse_stages
 
 STUDY_DIR = resources.path("studies")
 TOP_KEYS = {"name", "description", "data", "model", "train", "seeds", "baseline", "evaluation",
-            "probe", "table1", "arms", "quick", "compare_to"}
+            "probe", "table1", "arms", "quick", "compare_to", "stages", "report"}
 ARM_KEYS = {"name", "label", "model", "train", "world_size", "expert_parallel_size"}
-QUICK_KEYS = {"seeds", "arms", "model", "train", "evaluation", "probe", "table1", "data"}
-TABLE1_KEYS = {"arm", "seed", "text", "documents", "max_tokens", "batch_size"}
+QUICK_KEYS = {"seeds", "arms", "model", "train", "evaluation", "probe", "table1", "data", "stages"}
+TABLE1_KEYS = {"arm", "seed", "text", "documents", "max_tokens", "batch_size", "stage"}
 
 
 class SpecError(ValueError):
@@ -77,6 +78,8 @@ class Arm:
     with the arm's)."""
     world_size: int = 1
     expert_parallel_size: int = 1
+    folder: str = ""
+    """The run folder under runs/ (default: the name; a staged study's runs: <stage>/<run id>)."""
 
     @property
     def model(self) -> ModelConfig:
@@ -127,6 +130,10 @@ class Study:
     """The paper's Table 1 probe on one run of a stock-MoE arm, exported to Hugging Face."""
     description: str = ""
     quick: bool = False
+    stages: tuple = ()
+    """A staged study's stages (``study.stages.Stage``); ``arms`` is then the catalog they use."""
+    report: dict = field(default_factory=dict)
+    """A staged study's report settings (``study.answers``)."""
 
     def arm(self, name: str) -> Arm:
         return next(a for a in self.arms if a.name == name)
@@ -172,6 +179,7 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
         for key in ("model", "train", "evaluation", "probe", "table1"):
             raw[key] = _merge(raw.get(key) or {}, q.get(key) or {})
         raw["seeds"] = q.get("seeds", raw["seeds"])
+        raw["stages"] = q.get("stages", raw.get("stages"))
         raw["data"] = q.get("data", raw["data"])
         if "arms" in q:
             names = {a.get("name") for a in raw["arms"]}
@@ -179,6 +187,13 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
             if missing:
                 raise SpecError(f"{source}: quick.arms names unknown arms {sorted(missing)}")
             raw["arms"] = [a for a in raw["arms"] if a.get("name") in q["arms"]]
+    stages = ()
+    if raw.get("stages"):
+        try:
+            stages = parse_stages(raw["stages"], catalog={a.get("name") for a in raw["arms"]},
+                                  seeds=tuple(int(s) for s in raw["seeds"]), source=source)
+        except StageError as err:
+            raise SpecError(str(err)) from None
     seeds = tuple(int(s) for s in raw["seeds"])
     if len(set(seeds)) != len(seeds):
         raise SpecError(f"{source}: seeds repeat: {list(seeds)}")
@@ -228,4 +243,5 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
     return Study(name=str(raw["name"]) + ("-quick" if quick else ""), data=str(raw["data"]),
                  seeds=seeds, baseline=baseline, arms=tuple(arms), table1=table1, compare_to=compare_to,
                  evaluation=raw.get("evaluation") or {}, probe=probe,
-                 description=str(raw.get("description", "")), quick=quick)
+                 description=str(raw.get("description", "")), quick=quick, stages=stages,
+                 report=raw.get("report") or {})
