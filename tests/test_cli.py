@@ -63,7 +63,7 @@ def test_every_console_script_resolves_to_a_callable():
     scripts = _scripts()
     assert {name: f"aoe_megatron.cli.{m}:main" for m, name in COMMANDS.items()}.items() <= \
         scripts.items()
-    assert scripts["aoe-train"] == "aoe_megatron.train.loop:main"
+    assert scripts["aoe-train"] == "aoe_megatron.train.command:main"
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
@@ -76,7 +76,7 @@ def test_parsers_refuse_abbreviations_and_document_every_flag(module, capsys):
         assert ap.prog.startswith(prog) and ap.allow_abbrev is False, ap.prog
         assert ap.description and ap.description.strip(), ap.prog
         for action in ap._actions:
-            if isinstance(action, argparse._HelpAction):
+            if isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
                 continue
             names = set(action.option_strings) | {action.dest, action.metavar}
             assert action.help and action.help.strip() and action.help.strip() not in names, \

@@ -18,6 +18,11 @@ DOCS = ROOT / "docs" / "flags.md"
 #: docs table (python -m aoe_megatron.train.flags) and, for a rename, keep the old spelling.
 FLAGS = [
     "--preset", "--arch", "--set",
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--moe-ffn-hidden-size",
+    "--num-attention-heads", "--seq-length", "--vocab-size", "--num-experts", "--moe-router-topk",
+    "--moe-aux-loss-coeff", "--moe-token-dispatcher-type", "--moe-router-score-function",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+    "--untie-embeddings-and-output-weights",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
     "--expert-model-parallel-size", "--zero-stage", "--distributed-timeout-minutes",
     "--micro-batch-size", "--global-batch-size", "--train-iters", "--train-tokens",
@@ -30,7 +35,8 @@ FLAGS = [
     "--data-path", "--split", "--train-data-path", "--valid-data-path", "--test-data-path",
     "--no-manifest", "--mock-data", "--tokenizer-model", "--data-cache-path",
     "--build-data-index-only", "--world-size", "--allow-data-change",
-    "--log-interval", "--eval-interval", "--eval-iters", "--run-dir",
+    "--log-interval", "--eval-interval", "--eval-iters", "--run-dir", "--tensorboard-dir",
+    "--wandb-project", "--wandb-exp-name",
     "--skip-nonfinite", "--inject-nonfinite",
 ]
 DEPRECATED = {"--expert-parallel-size": "--expert-model-parallel-size",
@@ -41,7 +47,8 @@ GROUPS = ["model", "parallelism", "training", "learning rate", "checkpointing", 
 
 
 def _visible(parser):
-    return [a for a in parser._actions if a.help != "==SUPPRESS==" and a.option_strings != ["-h", "--help"]]
+    return [a for a in parser._actions if a.help != "==SUPPRESS==" and a.option_strings
+            not in (["-h", "--help"], ["--version"])]
 
 
 def test_the_flag_list_is_frozen_and_every_flag_is_explained():

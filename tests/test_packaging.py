@@ -49,11 +49,12 @@ def test_install_requirements_admit_each_legs_pins_and_pin_megatron_core(python)
         *project["dependencies"],
         *(r for extra in project["optional-dependencies"].values() for r in extra)]]
     wanted = [r for r in wanted if r.marker is None or r.marker.evaluate(env)]
-    extras = {Requirement(r).name for r in project["optional-dependencies"]["eval"]}
+    extras = {Requirement(r).name for extra in ("eval", "wandb")
+              for r in project["optional-dependencies"][extra]}
     for req in wanted:
         name = req.name.lower().replace("_", "-")
         if name == "numpy" or (python != "3.11" and req.name in extras):
-            continue  # numpy: what torch brings; lm-eval: tested on the first leg only
+            continue  # numpy: what torch brings; lm-eval and wandb: tested on the first leg only
         assert name in pins, f"{name} is not pinned in {LEGS[python]}"
         assert req.specifier.contains(pins[name]), (str(req), pins[name])
     mcore = [r for r in wanted if r.name == "megatron-core"]

@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV_MARK = "[srun env] CUDA_VISIBLE_DEVICES="
 
 
-def _run_template(tmp_path, **settings: str) -> tuple[subprocess.CompletedProcess, list]:
-    """Run the template with two processes per node; ``settings`` override the environment.
-    Returns the finished process and one list per srun call: its arguments, then its
-    CUDA_VISIBLE_DEVICES ("<unset>" when not set)."""
+def _run_template(tmp_path, cwd=ROOT, **settings: str) -> tuple[subprocess.CompletedProcess, list]:
+    """Run the template with two processes per node, submitted from ``cwd``; ``settings``
+    override the environment. Returns the finished process and one list per srun call: its
+    arguments, then its CUDA_VISIBLE_DEVICES ("<unset>" when not set)."""
     bin_dir, log = tmp_path / "bin", tmp_path / "srun.log"
     bin_dir.mkdir(exist_ok=True)
     srun = bin_dir / "srun"
@@ -31,7 +31,7 @@ echo "{ENV_MARK}${{CUDA_VISIBLE_DEVICES-<unset>}}" >> '{log}'
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "NODES": "1", "GPUS_PER_NODE": "2",
         "VENV": sys.prefix, "SLURM_CPUS_ON_NODE": "4", "RUN_DIR": str(tmp_path / "run"),
         "CKPT_DIR": str(tmp_path / "ckpt"), "REQUEUE": "0", "PRESET": "tiny", **settings}
-    proc = subprocess.run(["bash", "run/slurm/pretrain.sbatch"], cwd=ROOT, env=env,
+    proc = subprocess.run(["bash", str(ROOT / "run/slurm/pretrain.sbatch")], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     calls, current = [], []
     for line in (log.read_text().splitlines() if log.exists() else []):
@@ -130,3 +130,34 @@ def test_a_folder_held_by_a_live_launch_is_waited_for_then_refused(tmp_path):
         holder.wait()
     proc, calls = _run_template(tmp_path, DEVICE="cpu")  # its lease is left, its holder gone
     assert proc.returncode == 0 and len(calls) == 1, proc.stdout + proc.stderr
+
+
+def test_from_an_install_it_runs_the_python_behind_aoe_train(tmp_path):
+    """No checkout (no .venv where it is submitted), no VENV: the Python beside the aoe-train on
+    PATH runs, or the one its #! line names; the data config is the package's copy. Without
+    any of them the job refuses to start, saying what to set (issue #36)."""
+    work, install = tmp_path / "work", tmp_path / "install"
+    work.mkdir()
+    (install / "bin").mkdir(parents=True)
+    python = install / "bin" / "python"  # a virtualenv's python, as a wrapper of this one
+    python.write_text(f"#!/bin/sh\nexec '{sys.executable}' \"$@\"\n")
+    python.chmod(0o755)
+    (install / "bin" / "aoe-train").write_text(f"#!{python}\n")
+    path = f"{tmp_path / 'bin'}{os.pathsep}{install / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin"
+    proc, calls = _run_template(tmp_path, cwd=work, DEVICE="cpu", VENV="", PATH=path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    args = calls[0][:-1]
+    assert args[args.index(str(python)) + 1:][:2] == ["-m", "torch.distributed.run"], args
+    assert args[args.index("--data-path") + 1] == "data-redpajama.yaml", args
+
+    (tmp_path / "user" / "bin").mkdir(parents=True)  # pip install --user: no python beside it
+    (tmp_path / "user" / "bin" / "aoe-train").write_text(f"#!{python} -E\n")
+    path = f"{tmp_path / 'bin'}{os.pathsep}{tmp_path / 'user' / 'bin'}{os.pathsep}/usr/bin"
+    proc, calls = _run_template(tmp_path, cwd=work, DEVICE="cpu", VENV="", PATH=path + ":/bin")
+    assert proc.returncode == 0 and str(python) in calls[-1], proc.stdout + proc.stderr
+
+    proc, calls = _run_template(tmp_path, cwd=work, DEVICE="cpu", VENV="",
+                                PATH=f"{tmp_path / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert proc.returncode == 2 and len(calls) == 2, proc.stdout + proc.stderr
+    assert "no Python with aoe-megatron installed" in proc.stderr, proc.stderr
+    assert "VENV=/path/to/venv or PYTHON=/path/to/python" in proc.stderr, proc.stderr

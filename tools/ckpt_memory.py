@@ -58,6 +58,7 @@ def main(argv=None) -> int:
 
     from aoe_megatron.models.params import count_parameters
     from aoe_megatron.train.config import parse_overrides
+    from aoe_megatron.train.console import message
     from aoe_megatron.models.gpt import load_preset
 
     overrides = parse_overrides(SHAPES["quick" if args.quick else "large"][1::2])
@@ -66,10 +67,10 @@ def main(argv=None) -> int:
         tmp = Path(tmp)
         first = _run(args, tmp / "ckpt", tmp / "run1", steps=1)
         second = _run(args, tmp / "ckpt", tmp / "run2", steps=2)
-    save = [float(x) for line in first.splitlines() + second.splitlines()
+    save = [float(x) for line in map(message, first.splitlines() + second.splitlines())
             if line.startswith("saved ") for x in PEAK.findall(line)]
-    load = [float(x) for line in second.splitlines() if line.startswith("resumed from ")
-            for x in PEAK.findall(line)]
+    load = [float(x) for line in map(message, second.splitlines())
+            if line.startswith("resumed from ") for x in PEAK.findall(line)]
     if not save or not load:
         raise SystemExit("no host-memory figure in the logs (is /proc/self/clear_refs writable?)")
     state_gib = 12 * params / 2**30

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from aoe_megatron.bench import flops as fl
+from aoe_megatron.bench.names import ARM_FIELDS
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,6 @@ QUICK_SHAPES = {
     "tiny64": LayerShape(d_model=64, num_experts=64, top_k=8, d_ffn=32, d_low=8, tokens=256),
 }
 QUICK_SHAPES["tiny8-ep8"] = per_rank(QUICK_SHAPES["tiny8"], ep=8)
-NAIVE_FIELDS = {"lean_cache": False, "expert_backend": "autograd"}
-#: arm -> AoE settings (None: megatron-core's MoE; ``moe-grouped``: its grouped-GEMM experts,
-#: ``mcore_grouped.py``)
-ARM_FIELDS = {"moe": None, "moe-grouped": None, "aoe": {}, "aoe-full-cache": {"lean_cache": False},
-              "aoe-padded": {"expert_backend": "padded"},
-              "aoe-grouped_mm": {"expert_backend": "grouped_mm"},
-              "aoe-d_wide64": {"d_wide_multiple": 64},
-              "aoe-d_wide64-nearest": {"d_wide_multiple": 64, "d_wide_round": "nearest"},
-              "aoe-naive": NAIVE_FIELDS}
 
 
 def transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, use_te: bool,

@@ -19,24 +19,8 @@ import torch
 from aoe_megatron.bench import flops as fl
 from aoe_megatron.bench.measure import (datasheet_peak_flops, gemm_peak_flops, peak_memory, ratio,
                                          summarize, timed)
-
-#: name -> (ModelConfig arch, model overrides in load_preset's nested form)
-ARCHS = {"moe": ("moe", {}), "aoe": ("aoe", {}),
-         "aoe-loop": ("aoe", {"aoe": {"expert_backend": "loop"}}),
-         "aoe-grouped_mm": ("aoe", {"aoe": {"expert_backend": "grouped_mm"}})}
-DEFAULT_ARCHS = ("moe", "aoe")
-# name -> (preset, overrides, micro batch). NOTE: the 732M preset shrunk to 2 layers and 1024
-# tokens a step, so that a step takes seconds on a 2-core CPU (the 32k-vocabulary output layer is
-# then a third of the FLOPs); 732m-4l, at the preset's own 2048 tokens and micro-batch 4, is for
-# GPUs (a step takes minutes on 2 CPU cores).
-MODELS = {
-    "tiny": ("tiny", {}, 4),
-    "732m-2l": ("732m", {"num_layers": 2, "seq_length": 1024}, 1),
-    "732m-4l": ("732m", {"num_layers": 4}, 4),
-}
-QUICK_MODELS = {"tiny": ("tiny", {}, 2)}
-#: entries the default run leaves out on CPU (run them by naming them: --models)
-GPU_ONLY_MODELS = ("732m-4l",)
+from aoe_megatron.bench.names import (ARCHS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
+                                       QUICK_MODELS)
 
 
 def default_models(*, quick: bool, device: str) -> list[str]:

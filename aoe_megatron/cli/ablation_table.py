@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 BASELINE = "ablations/c02_moe_aux"
 VARYING = {"top_p": "varies per token (p = {p})",
            "expert_choice": "varies per token (capacity factor {capacity_factor})"}
@@ -46,7 +48,7 @@ def ep_sizes(cfg) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    return CommandParser(
         prog="aoe-ablation-table", allow_abbrev=False,
         description="Print the ablation table (Markdown): every packaged ablation preset with its "
                     "total parameters and per-token FLOPs relative to Table 2's Config 2 (MoE + "

@@ -21,6 +21,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 PROG = "aoe-bench"
 LEVELS = ("layer", "model", "ep")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -46,10 +48,10 @@ def _check_names(ap, flag: str, names, known, quick_note: str = "") -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from aoe_megatron.bench.arms import ARM_FIELDS  # the names the help lists
-    from aoe_megatron.bench.model import ARCHS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS, QUICK_MODELS
+    from aoe_megatron.bench.names import (ARCHS, ARM_FIELDS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
+                                          QUICK_MODELS)  # no torch: --help lists them at once
 
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmark the AoE MoE layer against megatron-core's stock MoE layer (layer,\n"
                     "model and EP=2 levels): time and memory per arm, written to OUT/results.json\n"
@@ -95,8 +97,7 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv):
     _hide_cuda_for_cpu(argv)
-    from aoe_megatron.bench.arms import ARM_FIELDS
-    from aoe_megatron.bench.model import ARCHS, MODELS, QUICK_MODELS
+    from aoe_megatron.bench.names import ARCHS, ARM_FIELDS, MODELS, QUICK_MODELS
 
     ap = parser()
     args = ap.parse_args(argv)

@@ -24,6 +24,7 @@ from pathlib import Path
 from aoe_megatron.data.assets import build_corpus
 from aoe_megatron.data.preprocess import PreprocessConfig, preprocess
 from aoe_megatron.data.tokenizer import Tokenizer
+from aoe_megatron.runtime.command_line import CommandParser
 
 
 def cpu_steal() -> tuple:
@@ -54,7 +55,7 @@ def make_input(path: Path, min_mb: float) -> list[str]:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-bench-preprocess", allow_abbrev=False,
         description="Measure preprocessing throughput (tokens/s with 1 and 2 workers) against a "
                     "bare sentencepiece encode loop over the same generated JSONL input.")

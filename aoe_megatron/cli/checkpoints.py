@@ -15,7 +15,13 @@ import json
 import sys
 from pathlib import Path
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 PATH_HELP = "a --ckpt-dir (every step_* checkpoint in it), or one step_* checkpoint"
+
+
+class BadPath(ValueError):
+    """PATH is not a checkpoint nor a folder of them: bad input, exit 2."""
 
 
 def _targets(path: Path) -> list:
@@ -25,8 +31,7 @@ def _targets(path: Path) -> list:
         return [path]
     found = checkpoints(path)
     if not found:
-        raise SystemExit(f"error: {path} is neither a checkpoint nor a directory of step_* "
-                         f"checkpoints")
+        raise BadPath(f"{path} is neither a checkpoint nor a directory of step_* checkpoints")
     return found
 
 
@@ -62,7 +67,7 @@ def _verify(root: Path) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-checkpoints", allow_abbrev=False,
         description="Inspect and verify training checkpoints without starting a run: list their "
                     "steps and layouts, or re-hash every file against its manifest (exit 1 on "
@@ -88,10 +93,13 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if not args.path.is_dir():
-        print(f"error: {args.path} is not a directory", file=sys.stderr)
+    try:
+        if not args.path.is_dir():
+            raise BadPath(f"{args.path} is not a directory")
+        return _list(args.path) if args.command == "list" else _verify(args.path)
+    except BadPath as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    return _list(args.path) if args.command == "list" else _verify(args.path)
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-convert-from-hf", allow_abbrev=False,
         description="Import a Hugging Face folder (an exported AoE model, or Mixtral) as a "
                     "training checkpoint holding the weights only, for --load-weights.")
@@ -29,9 +31,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    args = parser().parse_args(argv)  # before any import of torch: --help answers at once
     from aoe_megatron.hf.checkpoint_io import ConversionError
-
-    args = parser().parse_args(argv)
     from aoe_megatron.hf.convert import import_from_hf
 
     try:

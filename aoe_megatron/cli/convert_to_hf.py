@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 
 def _size(text: str) -> int:
     units = {"KB": 2**10, "MB": 2**20, "GB": 2**30}
@@ -26,7 +28,7 @@ def _size(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-convert-to-hf", allow_abbrev=False,
         description="Export a training checkpoint (any expert-parallel size, ZeRO-1/2) to a "
                     "Hugging Face folder: AoE models with their remote code, stock MoE models as "
@@ -60,11 +62,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    args = parser().parse_args(argv)  # before any import of torch: --help answers at once
     from aoe_megatron.hf.checkpoint_io import ConversionError
-    from aoe_megatron.runtime.integrity import CheckpointDamaged
-
-    args = parser().parse_args(argv)
     from aoe_megatron.hf.convert import export_to_hf
+    from aoe_megatron.runtime.integrity import CheckpointDamaged
 
     try:
         export_to_hf(args.checkpoint, args.output, data=args.data, manifest=args.manifest,

@@ -7,8 +7,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from aoe_megatron.models.gpt import load_preset
-from aoe_megatron.models.params import count_parameters
+from aoe_megatron.runtime.command_line import CommandParser
 
 
 def _fmt(n: int) -> str:
@@ -16,7 +15,7 @@ def _fmt(n: int) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-count-params", allow_abbrev=False,
         description="Total and active parameters of a model preset (AoE and its MoE twin), "
                     "computed from the preset without allocating the model.")
@@ -33,14 +32,19 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    from aoe_megatron.models.gpt import load_preset  # after --help: it imports torch
+    from aoe_megatron.models.params import count_parameters
+
     archs = ("moe", "aoe") if args.arch == "both" else (args.arch,)
-    rows = {}
+    rows, tied = {}, {}
     for arch in archs:
         overrides = {"arch": arch}
         if args.d_low is not None:
             overrides["aoe"] = {"d_low": args.d_low}
         try:
-            rows[arch] = count_parameters(load_preset(args.preset, **overrides))
+            cfg = load_preset(args.preset, **overrides)
+            rows[arch] = count_parameters(cfg)
+            tied[arch] = cfg.tie_embeddings
         except ValueError as err:
             ap.error(str(err))
     if args.json:
@@ -49,7 +53,17 @@ def main(argv=None) -> int:
     print(f"{'arch':<6}{'total':>12}{'active':>12}{'active+all W_down':>20}")
     for arch, c in rows.items():
         print(f"{arch:<6}{_fmt(c.total):>12}{_fmt(c.active):>12}{_fmt(c.active_with_all_caches):>20}")
+    if any(tied.values()):
+        print(tied_note(next(c for a, c in rows.items() if tied[a]).embedding))
     return 0
+
+
+def tied_note(embedding: int) -> str:
+    """Why active can exceed total: the tied [vocab x hidden] matrix counts once in total, twice
+    in active (``models/params.py``)."""
+    return (f"note: the input embedding and the output layer are one tied [vocab x hidden] "
+            f"matrix ({_fmt(embedding)}): counted once in total, twice in active (every token "
+            f"multiplies by it both ways), so active can exceed total")
 
 
 if __name__ == "__main__":

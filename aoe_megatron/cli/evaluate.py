@@ -13,11 +13,13 @@ samples/<task>.jsonl (per-example correctness, for aoe-mcnemar).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from pathlib import Path
 
 from aoe_megatron.evaluation.protocol import PAPER_TASKS, ProtocolError, resolve_tasks
+from aoe_megatron.runtime.command_line import CommandParser
 
 TASK_HELP = ("tasks to {} (lm-eval names; siqa is accepted for social_iqa) (default: the "
              "paper's ten: " + " ".join(t.name for t in PAPER_TASKS) + ")")
@@ -32,7 +34,7 @@ def _positive_int(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The evaluation's parser (``aoe-evaluate MODEL ...``); fetch_parser() is fetch-data's."""
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-evaluate", allow_abbrev=False,
         description="Score a Hugging Face model folder offline on the AoE paper's ten downstream "
                     "tasks (Table 2 protocol, lm-eval task definitions) and write results.json, "
@@ -73,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def fetch_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-evaluate fetch-data", allow_abbrev=False,
         description="Download the splits the protocol needs (Hugging Face Hub, via `datasets`) "
                     "into DATA_DIR/<task>/<split>.jsonl. Needs network access.")
@@ -96,6 +98,20 @@ def parse_eval_args(argv):
 
 def parse_fetch_args(argv):
     return fetch_parser().parse_args(argv)
+
+
+#: What the ``eval`` extra installs that these commands import.
+EVAL_EXTRA = ("lm_eval",)
+
+
+def missing_eval_extra() -> str | None:
+    """The sentence for a missing ``eval`` extra (lm-eval is an optional dependency), or None."""
+    missing = [name for name in EVAL_EXTRA if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (f"aoe-evaluate needs the eval extra ({', '.join(missing)} is not installed): "
+            f'pip install "aoe-megatron[eval]" (from a checkout: pip install ".[eval]", or the '
+            f"pinned versions: pip install -r requirements-eval.txt)")
 
 
 def _setup_logging() -> None:
@@ -145,10 +161,14 @@ def eval_main(argv) -> int:
 
 
 def main(argv=None) -> int:
+    """0 done, 1 a failed evaluation or download, 2 bad input or no ``eval`` extra."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "fetch-data":
-        return fetch_main(argv[1:])
-    return eval_main(argv)
+    fetch = bool(argv) and argv[0] == "fetch-data"
+    parse_fetch_args(argv[1:]) if fetch else parse_eval_args(argv)  # --help needs no lm-eval
+    if (missing := missing_eval_extra()) is not None:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
+    return fetch_main(argv[1:]) if fetch else eval_main(argv)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ import json
 import sys
 
 from aoe_megatron.evaluation.mcnemar import TESTS, PairingError, compare_runs, format_report
+from aoe_megatron.runtime.command_line import CommandParser
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-mcnemar", allow_abbrev=False,
         description="McNemar's test of two aoe-evaluate runs' per-example outcomes, paired by "
                     "(task, example) and pooled over their common tasks.")

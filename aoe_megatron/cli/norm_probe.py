@@ -21,15 +21,17 @@ import json
 import sys
 from pathlib import Path
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 
 def stderr_log(message: str) -> None:
     print(f"[norm_probe] {message}", file=sys.stderr, flush=True)
 
 
 def parser() -> argparse.ArgumentParser:
-    from aoe_megatron.study.hf_probe import CHOICES, WEIGHTINGS
+    from aoe_megatron.study.probe_nodes import CHOICES, WEIGHTINGS  # no torch: --help at once
 
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-norm-probe", allow_abbrev=False,
         description="Probe whether experts know what they know: on an AoE checkpoint, forced-"
                     "expert losses against the cache-norm ranking; on a Hugging Face MoE folder "

@@ -15,9 +15,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aoe_megatron.runtime.command_line import CommandParser
+
+#: Megatron-LM's --tokenizer-type values taken here (each a sentencepiece model, --tokenizer-model)
+#: -> whether each document starts with BOS (Megatron-LM's Llama2Tokenizer prepends it).
+TOKENIZER_TYPES = {"GPTSentencePieceTokenizer": False, "SentencePieceTokenizer": False,
+                   "Llama2Tokenizer": True}
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-preprocess", allow_abbrev=False,
         description="Tokenize JSONL corpora (RedPajama format) into megatron-core indexed "
                     "datasets (PREFIX_text_document.bin/.idx) with a manifest of what went in.")
@@ -34,6 +41,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer-model",
                     help="sentencepiece model file to tokenize with (default: the "
                          "Llama-compatible 32k model fetched by aoe-fetch-assets)")
+    ap.add_argument("--tokenizer-type", metavar="TYPE",
+                    help="Megatron-LM's tokenizer type, for its scripts: GPTSentencePieceTokenizer "
+                         "or SentencePieceTokenizer (the --tokenizer-model file as is) or "
+                         "Llama2Tokenizer (the same, with BOS before each document: "
+                         "--prepend-bos); any other type is refused (default: a sentencepiece "
+                         "model, as GPTSentencePieceTokenizer)")
     ap.add_argument("--append-eod", action="store_true",
                     help="append the EOS id after each document (default: off)")
     ap.add_argument("--prepend-bos", action="store_true",
@@ -57,7 +70,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from aoe_megatron.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZER_TYPES:
+        ap.error(f"--tokenizer-type {args.tokenizer_type} is not supported: aoe-preprocess "
+                 f"tokenizes with a sentencepiece model (--tokenizer-model); the types it takes "
+                 f"are {', '.join(TOKENIZER_TYPES)}")
+    if TOKENIZER_TYPES.get(args.tokenizer_type):
+        args.prepend_bos = True
     cfg = PreprocessConfig(
         inputs=tuple(args.input), output_prefix=args.output_prefix, json_keys=tuple(args.json_keys),
         tokenizer_model=args.tokenizer_model, append_eod=args.append_eod,

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 PROG = "aoe-study"
 
 
@@ -28,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     from aoe_megatron.runtime import resources
 
     known = ", ".join(resources.names("studies")) or "none installed"
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train every arm x seed of a study spec, evaluate each checkpoint on held-out\n"
                     "text, run the norm probes, and write report.md, results.json and plots.",

@@ -12,9 +12,11 @@ import argparse
 import glob
 import sys
 
+from aoe_megatron.runtime.command_line import CommandParser
+
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-train-tokenizer", allow_abbrev=False,
         description="Train a Llama-style sentencepiece BPE tokenizer (byte fallback, split "
                     "digits, unk/bos/eos = 0/1/2) from text or JSONL files.")

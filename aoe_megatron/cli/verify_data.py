@@ -17,10 +17,11 @@ import time
 from aoe_megatron.data.config import DataConfig
 from aoe_megatron.data.integrity import verify_dataset
 from aoe_megatron.data.manifest import read_manifest
+from aoe_megatron.runtime.command_line import CommandParser
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = CommandParser(
         prog="aoe-verify-data", allow_abbrev=False,
         description="Verify preprocessed datasets against their manifests: file sizes, the .idx "
                     "against the .bin, and the sha256 of both (reads every byte). Exit status 0: "

@@ -18,6 +18,9 @@ CPU patches apply only when CUDA is absent; ``mcore_moe_utils`` applies whenever
 is absent (a NameError on GPUs too, 0.16.1); the checkpoint writer's (``mcore_dist_ckpt_results_queue``,
 ``mcore_dist_ckpt_write_digests``) on every device. DeepSpeed's patches (``deepspeed_*``) apply through
 :func:`apply_deepspeed_patches`, once DeepSpeed is imported.
+
+No module here imports torch as it loads (each imports it inside its functions), so
+``import aoe_megatron`` does not load torch: every command's ``--help`` answers at once.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ import importlib.machinery
 import sys
 from typing import Any, Callable
 
-import torch
-
 # (owner object, attribute name, original value) in the order they were replaced.
 _ORIGINALS: list[tuple[Any, str, Any]] = []
 _MISSING = object()
@@ -53,6 +51,8 @@ def module(name: str):
 
 def cuda_absent() -> bool:
     """CPU patches are active only on machines without CUDA."""
+    import torch
+
     return not torch.cuda.is_available()
 
 

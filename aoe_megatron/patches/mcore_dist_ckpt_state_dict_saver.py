@@ -8,8 +8,6 @@ the function by name, so that binding is replaced too. The rest is upstream's lo
 
 from __future__ import annotations
 
-import torch
-
 from ._patching import cuda_absent, module, replace_bound
 
 TARGET = "megatron.core.dist_checkpointing.strategies.state_dict_saver"
@@ -18,6 +16,8 @@ VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _save_state_dict_async_finalize(storage_writer, global_metadata, dist_wrapper) -> None:
+    import torch
+
     saver = module(TARGET)
     write_results = storage_writer.retrieve_write_results()
     all_results = dist_wrapper.gather_object(write_results)

@@ -15,10 +15,13 @@ TorchDynamo and Inductor's compiler at ``import megatron.core``: about 5 s to im
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ._patching import cuda_absent, module, replace, when_loading
 from aoe_megatron.runtime.versions import baseline_release
+
+if TYPE_CHECKING:
+    import torch
 
 TARGET = "megatron.core.transformer.moe.router"
 #: The supported megatron-core releases this patch applies to.
@@ -36,6 +39,8 @@ def _without_torch_compile(run_module):
     def exec_module(router):
         if not cuda_absent():
             return run_module(router)
+        import torch
+
         compile_ = torch.compile
         torch.compile = _uncompiled
         try:
@@ -52,6 +57,8 @@ def arm() -> None:
 
 
 def _gating(self, input: torch.Tensor) -> torch.Tensor:
+    import torch
+
     router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(
         self.config.moe_router_dtype, input.dtype
     )

@@ -8,9 +8,12 @@ upstream's, unchanged.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from ._patching import cuda_absent, module, replace
+
+if TYPE_CHECKING:
+    import torch
 
 TARGET = "megatron.core.models.common.embeddings.rotary_pos_embedding"
 #: The supported megatron-core releases this patch applies to.
@@ -18,6 +21,8 @@ VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _get_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+    import torch
+
     freqs = self.get_freqs_non_repeated(max_seq_len, offset)
     if not self.rotary_interleaved:
         emb = torch.cat((freqs, freqs), dim=-1)

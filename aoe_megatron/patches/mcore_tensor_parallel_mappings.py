@@ -10,9 +10,6 @@ all-to-all split sizes as Python lists, not tensors.
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.tensor_parallel.mappings"
@@ -21,6 +18,9 @@ VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+    import torch
+    import torch.distributed as dist
+
     world_size = group.size()
     if world_size == 1:
         return input_
@@ -43,6 +43,9 @@ def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_g
     world_size = group.size()
     if world_size == 1:
         return input_
+    import torch
+    import torch.distributed as dist
+
     # NOTE: gloo has no reduce-scatter: all-reduce, then keep this rank's rows.
     total = input_.contiguous().clone()
     dist.all_reduce(total, group=group)
@@ -60,6 +63,9 @@ def _as_list(splits):
 def _all_to_all_forward(ctx, group, input, output_split_sizes, input_split_sizes,
                         use_nccl_stream=False):
     # NOTE: use_nccl_stream (0.19.2; upstream's backward reads it back) means nothing to gloo.
+    import torch
+    import torch.distributed as dist
+
     ctx.group = group
     ctx.use_nccl_stream = use_nccl_stream
     ctx.output_split_sizes = output_split_sizes

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.tensor_parallel.random"
@@ -23,14 +21,20 @@ VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _get_rng_state(device="cuda", clone=False, graph_safe=False):
+    import torch
+
     return torch.get_rng_state()
 
 
 def _set_rng_state(new_state, device=-1, graph_safe=False):
+    import torch
+
     torch.set_rng_state(new_state)
 
 
 def _add(self, name, seed):
+    import torch
+
     self._is_initialized = True
     if seed in self.seeds_:
         raise Exception(f"seed {seed} already exists")

@@ -9,10 +9,12 @@ that binding is replaced too.
 from __future__ import annotations
 
 from functools import lru_cache
-
-import torch
+from typing import TYPE_CHECKING
 
 from ._patching import cuda_absent, replace_bound
+
+if TYPE_CHECKING:
+    import torch
 
 TARGET = "megatron.core.transformer.utils"
 #: The supported megatron-core releases this patch applies to.
@@ -21,6 +23,8 @@ VERSIONS = ("0.16.1", "0.19.2")
 
 @lru_cache
 def _get_default_causal_mask(sq: int) -> torch.Tensor:
+    import torch
+
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 

@@ -12,8 +12,6 @@ import operator
 from contextlib import nullcontext
 from functools import reduce
 
-import torch
-
 from ._patching import cuda_absent, module, replace
 
 TARGET = "megatron.core.utils"
@@ -22,6 +20,8 @@ VERSIONS = ("0.16.1", "0.19.2")
 
 
 def _get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+    import torch
+
     required_len = reduce(operator.mul, tensor_shape, 1)
     buf = self.buffer.get((name, dtype))
     if buf is None or buf.numel() < required_len:

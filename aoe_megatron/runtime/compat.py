@@ -11,9 +11,11 @@ import functools
 import importlib
 import importlib.util
 import logging
+import sys
 import warnings
 
-import torch
+# NOTE: torch is imported inside the functions: `import aoe_megatron` (every command's --help)
+# must not load it.
 
 
 def have_nvidia_apex() -> bool:
@@ -45,6 +47,8 @@ def probe_transformer_engine(device: str = "cuda") -> str | None:
     NOTE: a broken install (a missing CUDA library, kernels built for another GPU) is still found
     by ``find_spec``, and fails only here, at import or at the first kernel.
     """
+    import torch
+
     try:
         import transformer_engine.pytorch as te
     except Exception as exc:  # noqa: BLE001: any failure to load means "do not use it"
@@ -73,6 +77,8 @@ def probe_transformer_engine(device: str = "cuda") -> str | None:
 def transformer_engine_status() -> tuple[bool, str]:
     """(usable, why): TE imports and runs on this process's CUDA device; probed once (no CUDA:
     False without importing TE). A failure is logged once, as one line."""
+    import torch
+
     if not torch.cuda.is_available():
         return False, "no CUDA device"
     if not have_transformer_engine():
@@ -104,6 +110,8 @@ def fused_softmax_available() -> bool:
     ``scaled_masked_softmax_cuda`` at the first bf16/fp16 forward of qualifying shapes: without
     those kernels (no apex built with them) that forward fails.
     """
+    import torch
+
     if not torch.cuda.is_available():
         return False
     try:
@@ -116,6 +124,8 @@ def fused_softmax_available() -> bool:
 
 def runtime_summary() -> str:
     """One line saying which device and optional kernels this run uses."""
+    import torch
+
     if torch.cuda.is_available():
         device = f"cuda ({torch.cuda.get_device_name()}), NCCL"
     else:
@@ -159,6 +169,8 @@ class _DropStarting(_DropExactly):
 
 def fallback_note() -> str | None:
     """One line saying which optional kernels are missing and what that costs (None: none is)."""
+    import torch
+
     te_ok = transformer_engine_usable() if torch.cuda.is_available() else have_transformer_engine()
     missing = [name for name, ok in (("TransformerEngine", te_ok),
                                      ("NVIDIA apex", have_nvidia_apex())) if not ok]
@@ -185,19 +197,39 @@ def say_fallback_once() -> None:
         print(f"[rank {os.environ.get('RANK', '0')}] {note}", flush=True)
 
 
+def _quiet_without_cuda(run_module):
+    """megatron.core's loader, first dropping its import-time warnings about missing TE and
+    apex where CUDA is absent (torch loads here anyway: megatron-core imports it)."""
+    def exec_module(module):
+        import torch
+
+        if not torch.cuda.is_available():
+            warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+        run_module(module)
+    return exec_module
+
+
 def quiet_cpu_fallback_warnings() -> None:
     """Without CUDA, megatron-core warns on import that TE and apex are missing: expected here
     (``say_fallback_once`` says it in one line). Drops exactly megatron-core's per-layer
     UNKNOWN_MLP_TYPE, its warning about a cuda_graph_scope default we never set, and its
     deprecation lines about our own choices (``UPSTREAM_DEPRECATIONS``). Called by
-    ``import aoe_megatron``, before any megatron-core module is imported."""
+    ``import aoe_megatron``, before any megatron-core module is imported.
+
+    NOTE: whether CUDA is there is asked as ``megatron.core`` loads (an import hook), not here:
+    ``import aoe_megatron`` does not import torch, so ``--help`` stays quick."""
+    from aoe_megatron.patches._patching import when_loading
+
     warnings.filterwarnings("ignore", message="full scope is deprecated")
-    if not torch.cuda.is_available():
-        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
-        # torch's CUDA build on a machine without CUDA, when megatron-core imports cpp_extension
-        extension_logger = logging.getLogger("torch.utils.cpp_extension")
-        if not any(isinstance(f, _DropExactly) for f in extension_logger.filters):
-            extension_logger.addFilter(_DropStarting("No CUDA runtime is found"))
+    if "megatron.core" in sys.modules:  # loaded before aoe_megatron: decide now
+        _quiet_without_cuda(lambda module: None)(None)
+    else:
+        when_loading("megatron.core", _quiet_without_cuda)
+    # torch's CUDA build on a machine without CUDA, when megatron-core imports cpp_extension (a
+    # machine with CUDA never logs this line)
+    extension_logger = logging.getLogger("torch.utils.cpp_extension")
+    if not any(isinstance(f, _DropExactly) for f in extension_logger.filters):
+        extension_logger.addFilter(_DropStarting("No CUDA runtime is found"))
     layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
     if not any(isinstance(f, _DropExactly) for f in layer_logger.filters):
         layer_logger.addFilter(_DropExactly(UNKNOWN_MLP_TYPE))

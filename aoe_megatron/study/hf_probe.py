@@ -30,14 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from aoe_megatron.study.checkpoints import StudyInputError as ProbeError
+from aoe_megatron.study.probe_nodes import CHOICES, NODES, RANDOM, WEIGHTINGS
 
-NODES = {"gate": "x W_g", "up": "x W_p", "act": "SiLU(x W_g)", "prod": "SiLU(x W_g) * x W_p",
-         "out": "experts' final outputs"}
-RANDOM = "random"
-"""The review's missing baseline for Table 1: each token's K experts drawn uniformly at random
-(scores U(0, 1) in place of norms, a fixed generator; ``norm`` weighting is then near-uniform)."""
-CHOICES = {**NODES, RANDOM: "random experts (baseline)"}
-WEIGHTINGS = ("norm", "router")
 MODEL_TYPES = ("mixtral", "olmoe")
 ROUTER = "router"  # the unmodified model
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from aoe_megatron.runtime import launch
 from aoe_megatron.study.spec import Arm, Study
+from aoe_megatron.train import console
 
 
 class StudyError(RuntimeError):
@@ -76,7 +77,7 @@ def _run_logged(cmd: list, log: Path, *, env: dict, what: str, echo) -> float:
                                 env=env)
         for line in proc.stdout:
             out.write(line)
-            if line.startswith(("step ", "resumed from", "probe:", "evaluated")):
+            if console.message(line).startswith(("step ", "resumed from", "probe:", "evaluated")):
                 echo(f"    {what}: {line.rstrip()}")
         code = proc.wait()
     if code != 0:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from aoe_megatron.train import console
 from aoe_megatron.train.run import Run
 
 
@@ -41,7 +42,7 @@ def build_run_datasets(run: Run, dp_size: int, say=None) -> tuple:
                               num_samples=sample_counts(run, dp_size), manifests=run.manifests,
                               cache_dir=cache)
     if rank0:
-        (say or (lambda m: print(m, flush=True)))(index_cache.describe(
+        (say or console.say)(index_cache.describe(
             before, index_cache.index_files(cache), cache, time.perf_counter() - start))
     return datasets
 

@@ -179,6 +179,16 @@ class TrainConfig:
         "run's record; one run per folder (a resumed run appends; one that resumes no checkpoint "
         "first moves an earlier run's files to RUN_DIR/previous/<time>/); none: SAVE/run with "
         "--save or --ckpt-dir (restarts append there), else a new runs/<UTC time>-<preset>")
+    tensorboard_dir: Optional[str] = setting(
+        None, LOGGING, "folder for the TensorBoard event files instead of the run directory (rank "
+        "0 writes them; a resumed run appends)", megatron="--tensorboard-dir")
+    wandb_project: Optional[str] = setting(
+        None, LOGGING, "also log to Weights & Biases, in this project (rank 0: the resolved "
+        "arguments as the W&B run's config, every TensorBoard scalar as its history); needs "
+        "the wandb extra: pip install 'aoe-megatron[wandb]'", megatron="--wandb-project")
+    wandb_exp_name: Optional[str] = setting(
+        None, LOGGING, "the W&B run's name (with --wandb-project; default: W&B's own)",
+        megatron="--wandb-exp-name")
     # --- faults
     skip_nonfinite: int = setting(0, FAULTS, "skip at most this many steps whose loss or gradient "
                                   "norm is NaN or infinite, over the whole run (resumes included); "

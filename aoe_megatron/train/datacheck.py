@@ -25,6 +25,7 @@ import hashlib
 import os
 from typing import Optional, Union
 
+from aoe_megatron.train import console
 from aoe_megatron.train.errors import TrainingHalted
 
 MOCK = "mock"
@@ -137,8 +138,8 @@ def check_resume(recorded: Optional[Fingerprint], current: Fingerprint, *, check
     A checkpoint written before fingerprints were recorded (``recorded`` None) is not judged."""
     if recorded is None:
         if announce:
-            print(f"note: {checkpoint} records no data fingerprint; recording one from now on",
-                  flush=True)
+            console.say(f"note: {checkpoint} records no data fingerprint; recording one from now "
+                        f"on")
         return []
     lines = differences(recorded, current)
     if not lines:
@@ -151,7 +152,7 @@ def check_resume(recorded: Optional[Fingerprint], current: Fingerprint, *, check
             f"--allow-data-change to resume anyway (the new data is then recorded in the "
             f"following checkpoints).")
     if announce:
-        print(f"WARNING: --allow-data-change: resuming from {checkpoint} on data that differs "
-              f"from its record:\n{listing}\nthe following checkpoints record the new data",
-              flush=True)
+        console.say(f"WARNING: --allow-data-change: resuming from {checkpoint} on data that "
+                    f"differs from its record:\n{listing}\nthe following checkpoints record the "
+                    f"new data")
     return lines

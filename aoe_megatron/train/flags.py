@@ -1,6 +1,9 @@
 """The train command's flags, generated from ``TrainConfig``'s schema (``config.setting``):
 Megatron-LM's spelling where Megatron-LM has the setting, help grouped as Megatron-LM groups its
-own, deprecated spellings accepted for one release with a note, no abbreviations."""
+own, deprecated spellings accepted for one release with a note, no abbreviations. Megatron-LM's
+model-shape flags (``--num-layers``, ...) are spellings of ``--set`` (``train/model_flags.py``);
+an unknown flag gets a sentence saying what to type instead. The parser is built without torch
+(``--help``); reading the preset (``parse_with_preset``) loads it."""
 
 from __future__ import annotations
 
@@ -9,13 +12,16 @@ import os
 import sys
 from dataclasses import fields
 
-from aoe_megatron.models.gpt import preset_dict
+from aoe_megatron.runtime.command_line import CommandParser
 from aoe_megatron.train.config import GROUPS, TrainConfig
+from aoe_megatron.train.model_flags import MODEL_FLAGS, hint, with_model_flags
 
 PROG = "aoe-train"
 #: Flags that are not a field of their own, listed after the field they set:
 #: spelling -> (field, value, Megatron-LM's spelling, help).
 SHORTCUTS = {"--bf16": ("precision", "bf16", "--bf16", "short for --precision bf16")}
+#: The namespace's prefix for the model flags' values (model_flags.MODEL_FLAGS).
+MODEL_FLAG = "model_flag:"
 
 
 def flag_of(f) -> str:
@@ -57,7 +63,8 @@ METAVARS = {"preset": "NAME|YAML", "arch": "{aoe,moe}", "zero_stage": "{1,2,3}",
             "load": "DIR", "ckpt_dir": "DIR", "load_weights": "STEP_DIR",
             "data": "YAML|PREFIX", "split": "A,B,C",
             "tokenizer_model": "FILE", "run_dir": "DIR", "inject_nonfinite": "STEPS",
-            "data_cache_path": "DIR"}
+            "data_cache_path": "DIR", "tensorboard_dir": "DIR", "wandb_project": "NAME",
+            "wandb_exp_name": "NAME"}
 
 
 def _default_text(f) -> str:
@@ -69,8 +76,26 @@ def _default_text(f) -> str:
     return f" (default: {default}, or the preset's train.{f.name})"
 
 
+class _TrainParser(CommandParser):
+    """An unknown flag gets a sentence (``model_flags.hint``), not the usage's fifty flags."""
+
+    def parse_args(self, args=None, namespace=None):
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            ours = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+            keys = {f.name: flag_of(f) for f in fields(TrainConfig)}
+            hints = [h for t in extras if t.startswith("--") and (h := hint(t, PROG, ours, keys))]
+            self.error("unrecognized arguments: " + " ".join(extras) + "".join(
+                f"\n  {h}" for h in hints))
+        return namespace
+
+    def error(self, message):
+        self.exit(2, f"{PROG}: error: {message}\n{PROG} --help lists every flag; a model setting "
+                     f"without a flag of its own is --set KEY=VALUE\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _TrainParser(
         prog=PROG, allow_abbrev=False,
         description="Pretrain an AoE or MoE GPT model. One process: `aoe-train ...`; several: "
                     "`torchrun --nproc-per-node N -m aoe_megatron.train ...`, srun or the "
@@ -102,6 +127,15 @@ def parser() -> argparse.ArgumentParser:
             if dest == f.name:
                 group.add_argument(spelling, dest=dest, action="store_const", const=value,
                                    default=None, help=text)
+        if f.name == "model_overrides":
+            for spelling, m in MODEL_FLAGS.items():
+                text = f"{m.help} (--set {m.key}={m.switch or m.metavar}; default: the preset's)"
+                if m.switch:
+                    group.add_argument(spelling, dest=MODEL_FLAG + spelling, action="store_const",
+                                       const=m.switch, default=None, help=text)
+                else:
+                    group.add_argument(spelling, dest=MODEL_FLAG + spelling, default=None,
+                                       metavar=m.metavar, help=text)
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap
@@ -114,8 +148,13 @@ def parse_train_args(argv=None) -> TrainConfig:
 
 def parse_with_preset(argv=None) -> tuple:
     """(TrainConfig, the preset as read): the preset file is read here, once per launch."""
+    from aoe_megatron.models.gpt import preset_dict  # it imports torch: not for --help
+
     args = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
     args.pop("local_rank", None)
+    given = {k[len(MODEL_FLAG):]: args.pop(k) for k in list(args) if k.startswith(MODEL_FLAG)}
+    if given:
+        args["model_overrides"] = with_model_flags(given, tuple(args.get("model_overrides", ())))
     preset = preset_dict(args["preset"])
     train_section = dict(preset.get("train", {}) or {})
     known = {f.name for f in fields(TrainConfig)}
@@ -145,6 +184,9 @@ def markdown_table() -> str:
         rows.append(f"| `{flag_of(f)}` | {f.metadata['group']} | {megatron} | `{f.name}` | {old} |")
     for spelling, (dest, value, megatron, _) in SHORTCUTS.items():
         rows.append(f"| `{spelling}` | training | `{megatron}` | `{dest}: {value}` | |")
+    for spelling, m in MODEL_FLAGS.items():  # spellings of --set KEY=VALUE
+        value = f": {m.switch}" if m.switch else ""
+        rows.append(f"| `{spelling}` | model | `{spelling}` | `model.{m.key}{value}` | |")
     return "\n".join(rows) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""A process's peak host memory over a piece of work, for the checkpoint log lines.
+"""A process's peak host memory over a piece of work, for the checkpoint log lines, and its
+resident size now, for the console.
 
 Linux keeps the resident-set high-water mark (``VmHWM`` in ``/proc/self/status``); writing ``5``
 to ``/proc/self/clear_refs`` resets it to the current resident size. So the peak of a save or a
@@ -45,6 +46,12 @@ class PeakHostMemory:
         peak = _status_kib("VmHWM")
         if self._start is not None and peak is not None:
             self.added_bytes = max(peak - self._start, 0) * 1024
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's resident size now (``VmRSS``), or None where the kernel does not say."""
+    kib = _status_kib("VmRSS")
+    return None if kib is None else kib * 1024
 
 
 def gib(nbytes: Optional[float]) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -20,11 +19,13 @@ import torch
 from aoe_megatron.runtime import signals
 from aoe_megatron.runtime.distributed import reduce_across_ranks
 from aoe_megatron.runtime.launch import SUMMARY_VAR
+from aoe_megatron.train import console
 from aoe_megatron.train.config import TrainConfig, adopt_slurm_env
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record
 from aoe_megatron.train.run import Run, parse_run, resolve
 from aoe_megatron.train.run_dir import open_run_dir, resolve_run_dir
+from aoe_megatron.train.run_record import record_run, start_lines
 from aoe_megatron.train.setup import Parts, set_up
 from aoe_megatron.train.step import StepResult, train_step
 from aoe_megatron.train.stop_window import StopWindow
@@ -41,30 +42,6 @@ EXIT_FOLDER_HELD = 4
 def _with_run_dir(run: Run) -> Run:
     """``run`` with its run directory resolved (``train/run_dir.py``; rank 0 only)."""
     return replace(run, cfg=replace(run.cfg, run_dir=resolve_run_dir(run.cfg)))
-
-
-def _record_run(run: Run, run_dir: Path) -> None:
-    import deepspeed
-    import megatron.core
-
-    import aoe_megatron
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(run.record(), indent=2, default=str) + "\n")
-    record = {
-        "command": [sys.executable, *sys.argv],
-        "world_size": run.world_size,
-        "versions": {"aoe_megatron": aoe_megatron.__version__, "torch": torch.__version__,
-                     "megatron_core": megatron.core.__version__, "deepspeed": deepspeed.__version__,
-                     "python": platform.python_version()},
-        "host": platform.node(),
-    }
-    if run.cfg.mock_data:
-        record["data"] = "mock: random tokens (--mock-data), not a corpus"
-    if run.manifest is not None:
-        record["data_tokenizer_sha256"] = run.manifest["tokenizer"]["sha256"]
-        record["data_policy"] = run.manifest["policy"]
-    (run_dir / "run.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 class EndOfStep:
@@ -97,7 +74,8 @@ class EndOfStep:
             stats = selection_stats(parts.model, parts.stock_stats) if result.log else {}
             self.reporter.step(step, loss=result.loss, lr=result.lr, grad_norm=result.grad_norm,
                                stats=stats, aux_loss=result.aux_loss, console=result.log,
-                               bias_tokens=result.bias_tokens)
+                               bias_tokens=result.bias_tokens,
+                               skipped=len(parts.nonfinite.skipped_steps))
         done = step == self.run.steps
         if cfg.eval_interval and (step % cfg.eval_interval == 0 or done):
             self.evaluate(step)
@@ -117,7 +95,7 @@ class EndOfStep:
 
     def _say(self, message: str) -> None:
         if self.parts.rank == 0:
-            print(message, flush=True)
+            console.say(message)
 
     def evaluate(self, step: int) -> float:
         from aoe_megatron.train.batches import lm_loss
@@ -165,7 +143,9 @@ def train(run) -> dict:
 
 def _train(run, stop) -> dict:
     from aoe_megatron.train.metrics import Reporter
+    from aoe_megatron.train.wandb_sink import WandbSink
 
+    console.set_up()
     if isinstance(run, TrainConfig):
         run = resolve(run)
     rank = int(os.environ.get("RANK", "0"))
@@ -173,17 +153,20 @@ def _train(run, stop) -> dict:
         run = _with_run_dir(run)  # config.json and the checkpoints record it
     cfg = run.cfg
     if cfg.mock_data and rank == 0:
-        print("WARNING: --mock-data: training on random tokens, not a corpus (smoke and debugging "
-              "runs only)", flush=True)
+        console.say("WARNING: --mock-data: training on random tokens, not a corpus (smoke and "
+                    "debugging runs only)")
     parts = set_up(run, rank=rank)  # until the first step, SIGTERM ends the process
     run_dir = None  # rank 0's alone (train/run_dir.py)
     if rank == 0:
         run_dir = Path(cfg.run_dir)
-        open_run_dir(run_dir, resumed=parts.start > 0, say=lambda m: print(m, flush=True))
-        _record_run(run, run_dir)
+        open_run_dir(run_dir, resumed=parts.start > 0, say=console.say)
+        record_run(run, run_dir)
     reporter = Reporter(run_dir, total_steps=run.steps,
                         tokens_per_step=cfg.global_batch_size * run.model.seq_length,
-                        enabled=rank == 0)
+                        enabled=rank == 0, tensorboard_dir=cfg.tensorboard_dir,
+                        wandb=WandbSink.open(cfg, record=run.record(), run_dir=run_dir,
+                                             enabled=rank == 0))
+    reporter.start(run.record(), start_lines(parts) if rank == 0 else [])
     end = EndOfStep(parts, reporter, run_dir)
     stop.training = True  # from here SIGTERM / SIGUSR1 mean: save after this step, then stop
     try:
@@ -194,13 +177,13 @@ def _train(run, stop) -> dict:
     finally:
         reporter.close()
     if rank == 0:
-        print(f"run directory: {run_dir.resolve()} (config.json, run.json, TensorBoard: "
-              f"tensorboard --logdir {run_dir})", flush=True)
+        console.say(f"run directory: {run_dir.resolve()} (config.json, run.json, TensorBoard: "
+                    f"tensorboard --logdir {cfg.tensorboard_dir or run_dir})")
         if cfg.save_dir():
             resumes = cfg.load_dir() == cfg.save_dir()
-            print(f"checkpoints: {Path(cfg.save_dir()).resolve()} ("
-                  + ("restart the same command to resume" if resumes else
-                     f"resume with --load {cfg.save_dir()}") + ")", flush=True)
+            console.say(f"checkpoints: {Path(cfg.save_dir()).resolve()} ("
+                        + ("restart the same command to resume" if resumes else
+                           f"resume with --load {cfg.save_dir()}") + ")")
     return {"losses": end.losses, "valid_losses": end.valid_losses, "stopped": end.stopped,
             "start": parts.start, "nonfinite_skipped": parts.nonfinite.skipped_steps}
 
@@ -229,16 +212,23 @@ def _main(argv=None) -> int:
     from aoe_megatron.runtime.distributed import shutdown
     from aoe_megatron.train.config import adopt_single_process_env
 
+    console.set_up()
     if run.cfg.build_data_index_only:
         from aoe_megatron.train.data_index import build_index_only
 
         try:
-            build_index_only(run, say=lambda m: print(m, flush=True))
+            build_index_only(run, say=console.say)
         except DataCacheError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return EXIT_OK
 
+    from aoe_megatron.train.config import world_size_from_env
+    from aoe_megatron.train.threads import choose_cpu_threads
+
+    if (chosen := choose_cpu_threads(world_size=world_size_from_env(),
+                                     cuda=torch.cuda.is_available())) is not None:
+        console.say(chosen)  # before adopt_single_process_env: no launcher set WORLD_SIZE
     adopt_single_process_env()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:

@@ -126,6 +126,9 @@ def _check_settings(cfg: TrainConfig) -> None:
     if not cfg.distributed_timeout_minutes > 0:
         raise ValueError(f"--distributed-timeout-minutes must be positive, got "
                          f"{cfg.distributed_timeout_minutes}")
+    from aoe_megatron.train import wandb_sink
+
+    wandb_sink.check(cfg)
     _check_checkpoint_folders(cfg)
     if cfg.load_weights is not None and not os.path.isdir(os.path.join(cfg.load_weights, "model")):
         raise ValueError(f"--load-weights {cfg.load_weights} is not a checkpoint directory "

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from aoe_megatron.train import console
 from aoe_megatron.train.errors import CheckpointDamaged
 from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.run import Run
@@ -96,7 +97,7 @@ def set_up(run: Run, *, rank: int) -> Parts:
 
 def _say(parts: Parts, message: str) -> None:
     if parts.rank == 0:
-        print(message, flush=True)
+        console.say(message)
 
 
 def _resume_or_initialise(parts: Parts) -> int:
@@ -116,7 +117,7 @@ def _resume_or_initialise(parts: Parts) -> int:
             cfg.load_dir(), mark_verified=cfg.load_dir() == cfg.save_dir(), engine=parts.engine,
             model=parts.model, scheduler=parts.scheduler, layout=parts.layout,
             config=run.record(), seed=cfg.seed,
-            log=lambda msg: print(msg, flush=True),
+            log=console.say,
             before_load=lambda saved: datacheck.check_resume(
                 saved.get("data"), parts.data_fingerprint, checkpoint=saved["path"],
                 allow=cfg.allow_data_change, announce=parts.rank == 0))
@@ -136,7 +137,7 @@ def _resume_or_initialise(parts: Parts) -> int:
         # collective; refuses a damaged checkpoint (exit 3, halted.json) before anything loads
         try:
             integrity.require_verified(cfg.load_weights, verify=not cfg.no_verify,
-                                       what="--load-weights", log=lambda msg: print(msg, flush=True))
+                                       what="--load-weights", log=console.say)
         except integrity.CheckpointDamaged as err:
             raise CheckpointDamaged(str(err)) from err
         ckpt.load_model_weights(cfg.load_weights, parts.model)

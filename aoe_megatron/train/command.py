@@ -1,0 +1,23 @@
+"""``aoe-train``'s entry point (and ``python -m aoe_megatron.train``'s): ``--help`` and
+``--version`` are answered from the flag schema (``train/flags.py``) before torch loads; anything
+else is the training loop's ``main`` (``train/loop.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+#: Arguments answered without training (argparse prints and exits).
+ANSWERED = ("-h", "--help", "--version")
+
+
+def main(argv=None) -> int:
+    """``aoe-train``: 0 finished or stopped after saving, 2 bad settings, 3 halted, 4 folder
+    held, 128 + N ended by signal N (``train.loop.main``)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(arg in ANSWERED for arg in argv):
+        from aoe_megatron.train.flags import parser
+
+        parser().parse_args(argv)  # prints the help or the versions and exits (a bad flag: 2)
+    from aoe_megatron.train.loop import main as train
+
+    return train(argv)
