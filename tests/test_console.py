@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -248,26 +249,25 @@ def test_upstream_dataset_lines_pass_once_and_only_the_named_future_warnings_are
         (FutureWarning, "some other future")]
 
 
-def test_a_single_cpu_process_without_omp_num_threads_leaves_a_core(monkeypatch):
-    from aoe_megatron.train.threads import choose_cpu_threads
+def test_a_training_process_waits_passively_unless_told_or_too_late():
+    """OMP_WAIT_POLICY=PASSIVE before torch loads (GNU OpenMP reads it then), never over the
+    user's value, and not once torch has loaded; each case in a fresh interpreter."""
+    code = ("import os, sys\n"
+            "from aoe_megatron.train.threads import prefer_passive_wait, said\n"
+            "early = 'torch' in sys.modules\n"
+            "if sys.argv[1] == 'late':\n"
+            "    import torch\n"
+            "line = prefer_passive_wait()\n"
+            "print(early, os.environ.get('OMP_WAIT_POLICY'), line == said(), bool(line))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
 
-    before = torch.get_num_threads()
-    try:
-        monkeypatch.setenv("OMP_NUM_THREADS", "5")
-        assert choose_cpu_threads(world_size=1, cuda=False) is None  # the user's choice
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        assert choose_cpu_threads(world_size=2, cuda=False) is None  # torchrun's own rule
-        assert choose_cpu_threads(world_size=1, cuda=True) is None
-        assert "OMP_NUM_THREADS" not in os.environ
-        torch.set_num_threads(4)  # as torch's default on 4 cores
-        said = choose_cpu_threads(world_size=1, cuda=False)
-        assert torch.get_num_threads() == 3 and os.environ["OMP_NUM_THREADS"] == "3", said
-        torch.set_num_threads(1)
-        monkeypatch.delenv("OMP_NUM_THREADS")
-        choose_cpu_threads(world_size=1, cuda=False)
-        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
-    finally:
-        torch.set_num_threads(before)
+    def run(case, **extra):
+        return subprocess.run([sys.executable, "-c", code, case], env={**env, **extra},
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    assert run("early") == ["False", "PASSIVE", "True", "True"]
+    assert run("early", OMP_WAIT_POLICY="ACTIVE") == ["False", "ACTIVE", "True", "False"]
+    assert run("late") == ["False", "None", "True", "False"]
 
 
 def test_the_study_runner_echoes_the_progress_lines_after_their_prefix(tmp_path):

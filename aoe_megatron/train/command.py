@@ -18,6 +18,9 @@ def main(argv=None) -> int:
         from aoe_megatron.train.flags import parser
 
         parser().parse_args(argv)  # prints the help or the versions and exits (a bad flag: 2)
+    from aoe_megatron.train.threads import prefer_passive_wait
+
+    prefer_passive_wait()  # before torch loads: OpenMP reads it once (train/threads.py)
     from aoe_megatron.train.loop import main as train
 
     return train(argv)

@@ -223,12 +223,10 @@ def _main(argv=None) -> int:
             return 2
         return EXIT_OK
 
-    from aoe_megatron.train.config import world_size_from_env
-    from aoe_megatron.train.threads import choose_cpu_threads
+    from aoe_megatron.train import threads
 
-    if (chosen := choose_cpu_threads(world_size=world_size_from_env(),
-                                     cuda=torch.cuda.is_available())) is not None:
-        console.say(chosen)  # before adopt_single_process_env: no launcher set WORLD_SIZE
+    if threads.said() and int(os.environ.get("RANK", "0")) == 0:
+        console.say(threads.said())
     adopt_single_process_env()
     rank0 = int(os.environ.get("RANK", "0")) == 0
     if rank0:

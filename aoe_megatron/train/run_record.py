@@ -32,7 +32,8 @@ def record_run(run, run_dir: Path) -> None:
                      "python": platform.python_version()},
         "host": platform.node(),
         "threads": {"torch": torch.get_num_threads(),
-                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
     }
     if run.cfg.mock_data:
         record["data"] = "mock: random tokens (--mock-data), not a corpus"

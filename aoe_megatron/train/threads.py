@@ -1,39 +1,43 @@
-"""CPU threads of a single-process run on the CPU.
+"""How OpenMP's threads wait, in a training process on the CPU.
 
-torchrun gives each of several processes one OpenMP thread. A single process on the CPU keeps
-torch's default, one thread per physical core, and OpenMP's threads wait for each other by
-spinning: whenever any other thread needs a core (the Python thread feeding the step, gloo,
-DeepSpeed, another job) the whole team stalls. On 2 cores beside another 2-thread training job,
-``make smoke`` ran at a median of 87 tokens/s (81 to 1,713) with torch's default of 2 threads and
-1,631 tokens/s (1,487 to 1,758) with 1 (docs/training.md has the measurement). So where the user
-has not set OMP_NUM_THREADS, a single CPU process leaves one core free: ``max(1, default - 1)``
-threads.
+torch's OpenMP threads wait for each other by spinning (GNU OpenMP's default, "active"): while any
+other thread needs a core (the Python thread feeding the step, gloo, DeepSpeed, another job on the
+machine) the whole team stalls. Measured on 2 cores with ``make smoke`` (tiny, 30 steps, tokens/s
+of the logged intervals after the first, alternating; docs/training.md):
+
+| OpenMP                   | idle machine | beside one busy process |
+|--------------------------|-------------:|------------------------:|
+| 2 threads, active wait   | about 2,450  | 87 (81 to 1,713)         |
+| 2 threads, passive wait  | about 2,250  | about 1,520              |
+| 1 thread                 | about 1,800  | about 1,720              |
+
+So where the user has not set ``OMP_WAIT_POLICY``, a training process sets it to ``PASSIVE``
+(torch's thread count unchanged): 8% below spinning on an idle machine, never the collapse beside
+another job. GNU OpenMP reads the variable once, as torch loads: ``aoe-train``'s entry point
+(``train/command.py``) calls :func:`prefer_passive_wait` before anything imports torch.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Optional
 
-VAR = "OMP_NUM_THREADS"
+VAR = "OMP_WAIT_POLICY"
+_SAID: list = []
 
 
-def cpu_threads(default: int) -> int:
-    """The threads of a single CPU process when the user set none: one core left free."""
-    return max(1, default - 1)
-
-
-def choose_cpu_threads(*, world_size: int, cuda: bool) -> Optional[str]:
-    """For a single process on the CPU whose environment sets no OMP_NUM_THREADS: set it (for
-    any child process) and torch's intra-op threads to ``cpu_threads``; returns the line that
-    says so, or None where nothing was changed (a user's setting, several processes, CUDA)."""
-    import torch
-
-    if VAR in os.environ or world_size != 1 or cuda:
+def prefer_passive_wait(environ=os.environ) -> Optional[str]:
+    """Set ``OMP_WAIT_POLICY=PASSIVE`` unless the user set it or torch has loaded already (then
+    too late: nothing changes); returns the line that says so, or None."""
+    if VAR in environ or "torch" in sys.modules:
         return None
-    default = torch.get_num_threads()
-    chosen = cpu_threads(default)
-    os.environ[VAR] = str(chosen)
-    torch.set_num_threads(chosen)
-    return (f"{VAR} is not set: this single CPU process uses {chosen} thread(s) of torch's "
-            f"default {default}, leaving a core to the rest (set {VAR} to choose)")
+    environ[VAR] = "PASSIVE"
+    _SAID[:] = [f"{VAR} is not set: OpenMP's threads wait passively (PASSIVE), so another process "
+                f"on the machine cannot stall a step (set {VAR} to choose)"]
+    return _SAID[0]
+
+
+def said() -> Optional[str]:
+    """The line :func:`prefer_passive_wait` returned in this process, if it set the policy."""
+    return _SAID[0] if _SAID else None
