@@ -177,16 +177,29 @@ def run_seconds(out: Path, run: PlannedRun) -> float | None:
     return float(record.get("train_seconds", 0.0)) + float(evaluation.get("eval_seconds", 0.0))
 
 
+RECENT = 5
+"""Runs an estimate reads: the machine's load changes, so the latest say most."""
+
+
+def _recent_median(out: Path, runs: list) -> float | None:
+    """The median seconds of the ``RECENT`` runs of ``runs`` that finished last."""
+    timed = [(run_paths(out, r.arm, r.seed).record.stat().st_mtime, run_seconds(out, r))
+             for r in runs]
+    latest = sorted(s for _, s in sorted(t for t in timed if t[1])[-RECENT:])
+    if not latest:
+        return None
+    mid = len(latest) // 2
+    return latest[mid] if len(latest) % 2 else (latest[mid - 1] + latest[mid]) / 2
+
+
 def estimate_seconds(study: Study, out: Path, plan: Plan, run: PlannedRun) -> float | None:
-    """A run's expected seconds: the mean of the done runs of its stage and arm, else of its
-    stage, else the stage's ``minutes_per_run``; less the part a started run has done (its last
-    checkpoint's step); None when nothing is known."""
+    """A run's expected seconds: the median of the last ``RECENT`` done runs of its stage and
+    arm, else of its stage, else the stage's ``minutes_per_run``; less the part a started run has
+    done (its last checkpoint's step); None when nothing is known."""
     done = [r for r in plan.of(run.stage) if r.status == DONE]
-    same = [s for s in (run_seconds(out, r) for r in done if r.base == run.base) if s]
-    every = [s for s in (run_seconds(out, r) for r in done) if s]
     stage = next(s for s in study.stages if s.name == run.stage)
-    seconds = (sum(same) / len(same) if same else sum(every) / len(every) if every
-               else stage.minutes_per_run * 60 or None)
+    seconds = (_recent_median(out, [r for r in done if r.base == run.base])
+               or _recent_median(out, done) or stage.minutes_per_run * 60 or None)
     if seconds is None:
         return None
     if run.status in (STARTED, TRAINED):
