@@ -134,7 +134,8 @@ def sweep_section(doc: dict) -> list:
         if e["chosen"] is not None:
             edge = {"low": " — at the low edge of the rates tried (a lower rate might be better)",
                     "high": " — at the high edge of the rates tried (a higher rate might be better)"}
-            chosen.append(f"- `{arm}`: {_settings(e['chosen'])}{edge.get(e['edge'], '')}")
+            pending = "" if e.get("decided", True) else " (so far: the arm's other runs are not done)"
+            chosen.append(f"- `{arm}`: {_settings(e['chosen'])}{edge.get(e['edge'], '')}{pending}")
     return lines + ["", "Chosen per arm:", ""] + chosen + [""]
 
 

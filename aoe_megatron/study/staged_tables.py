@@ -14,9 +14,9 @@ def stage_arms(stage: dict | None) -> list:
 
 def sweep(stage: dict | None) -> dict:
     """{arm: {"rows": [{"run_id", "overrides", "n", "loss"}] (by lr, then the other settings),
-    "best": run_id or None, "chosen": overrides, "edge": "low"/"high"/None}}; ``loss`` the mean
-    final held-out loss over the run's finished seeds. The best is the runner's (``best``), else
-    the lowest mean loss."""
+    "best": run_id or None, "chosen": overrides, "edge": "low"/"high"/None, "decided": bool}};
+    ``loss`` the mean final held-out loss over the run's finished seeds. The best is the runner's
+    (``best``: decided, every run of the arm done), else the lowest mean loss so far."""
     out = {}
     for arm in stage_arms(stage):
         runs = {rid: r for rid, r in stage["runs"].items() if r.get("arm") == arm}
@@ -34,7 +34,8 @@ def sweep(stage: dict | None) -> dict:
         for row in rows:
             row["best"] = row["run_id"] == best
         out[arm] = {"rows": rows, "best": best, "edge": edge,
-                    "chosen": runs[best].get("overrides") or {} if best else None}
+                    "chosen": runs[best].get("overrides") or {} if best else None,
+                    "decided": bool(given and given.get("run_id") in runs)}
     return out
 
 
