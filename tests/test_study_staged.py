@@ -205,6 +205,8 @@ def test_quick_v2_trains_evaluates_every_checkpoint_and_reports(study_data, tmp_
     assert table1["arm"] == best["moe"]["run_id"] and table1["results"]
     report = (out / "report.md").read_text()
     assert "partial" not in report.lower().split("##")[0] and "## Answers" in report
+    assert "## Norm probe: `aoe_matched-lr0.004` at `compare`" in report  # the falsifier
+    assert f"| router ({table1['results'][0]['label']}) | {table1['results'][0]['loss']:.4f}" in report
     again = subprocess.run(cmd + ["--plan"], capture_output=True, text=True, timeout=120)
     assert "stage compare: 2 runs planned (2 done)" in again.stdout, again.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -13,7 +13,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from aoe_megatron.study import answers, plots_staged, staged_tables
+from aoe_megatron.study import answers, plots_staged, staged_probes, staged_tables
 from aoe_megatron.study.staged_markdown import markdown
 
 
@@ -114,6 +114,7 @@ def write_staged_report(study, out: Path, results: dict, *, wall_seconds: float,
            "command": command, "machine": machine(), "data": study.data, "report_settings": report,
            **analyse(report, results)}
     doc["durations"] = staged_tables.durations(doc["runs"], wall_seconds=wall_seconds)
+    doc["probes"], doc["table1"] = staged_probes.collect(results), staged_probes.table1(out)
     doc = jsonable(doc)
     doc["figures"] = figures(doc, out)
     (out / "results.json").write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from aoe_megatron.study import staged_probes
+
 
 def _f(x, spec: str = ".4f") -> str:
     return "—" if x is None else format(x, spec)
@@ -205,7 +207,7 @@ def markdown(doc: dict) -> str:
                   "missing (listed under Missing); the numbers below use what has finished."]
     lines.append("")
     for section in (answers_section, sanity_section, reach_section, gap_section, sweep_section,
-                    flops_section, entropy_section):
+                    flops_section, entropy_section, staged_probes.section):
         lines += section(doc)
     lines += ["## Per run", "", "| stage | run | seed | steps | final held-out loss | train s | eval s |",
               "|---|---|---:|---:|---:|---:|---:|"]
