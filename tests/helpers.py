@@ -247,3 +247,35 @@ def eval_rows(task: str, split: str, n: int) -> list[dict]:
             rows.append({"question1": f"How {tag} do I cook rice?", "question2": "How is rice cooked?",
                          "label": i % 2, "idx": i})
     return rows
+
+
+_EACH_SCRIPT = """
+import contextlib, importlib, io, json, sys
+argument, modules, scripts = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+out = {}
+for name, target in scripts.items():
+    module, _, attr = target.partition(":")
+    text = io.StringIO()
+    code = None
+    with contextlib.redirect_stdout(text):
+        try:
+            getattr(importlib.import_module(module), attr)([argument])
+        except SystemExit as exit_:
+            code = exit_.code
+    out[name] = [code, text.getvalue(), sorted(m for m in modules if m in sys.modules)]
+print(json.dumps(out))
+"""
+
+
+def each_console_script(argument: str, modules=("torch",), *, root: Path) -> dict:
+    """Every console script of pyproject.toml called as ``main([argument])`` in one fresh
+    interpreter: {name: [exit code, stdout, which of ``modules`` were loaded afterwards]}."""
+    import subprocess
+    import sys
+    import tomllib
+
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    done = subprocess.run([sys.executable, "-c", _EACH_SCRIPT, argument, json.dumps(list(modules)),
+                           json.dumps(scripts)], capture_output=True, text=True, timeout=120, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)

@@ -5,14 +5,12 @@ command, and a sentence for an unknown flag instead of the usage's fifty flags."
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from aoe_megatron.train import flags
+from tests.helpers import each_console_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "tiny", "--mock-data", "--train-iters", "2"]
@@ -165,28 +163,11 @@ def test_every_command_has_version_from_metadata_without_torch():
     the package metadata (torch is not imported to print it)."""
     from importlib.metadata import version
 
-    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    code = """
-import contextlib, importlib, io, json, sys
-out = {}
-for name, target in json.loads(sys.argv[1]).items():
-    module, _, attr = target.partition(":")
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        try:
-            getattr(importlib.import_module(module), attr)(["--version"])
-        except SystemExit as exit_:
-            code = exit_.code
-    out[name] = [code, text.getvalue(), "torch" in sys.modules]
-print(json.dumps(out))
-"""
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(scripts)], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    results = each_console_script("--version", root=ROOT)
     import aoe_megatron
 
     expected = (f"{aoe_megatron.__version__} (megatron-core {version('megatron-core')}, torch "
                 f"{version('torch')}, Python ")
-    for name, (code, text, torch_loaded) in json.loads(done.stdout).items():
+    for name, (code, text, torch_loaded) in results.items():
         assert code in (0, None) and text.startswith(f"{name} {expected}"), (name, code, text)
         assert not torch_loaded, f"{name} --version imported torch"

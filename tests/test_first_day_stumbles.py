@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import each_console_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,24 +26,7 @@ def _scripts() -> dict:
 def test_no_command_imports_torch_to_print_help():
     """Each console script's main(["--help"]) in one fresh interpreter: torch is not in
     sys.modules after any of them (it used to take 1.5 s warm, 5-6 s after an install)."""
-    code = """
-import contextlib, importlib, io, json, sys
-out = {}
-for name, target in json.loads(sys.argv[1]).items():
-    module, _, attr = target.partition(":")
-    text = io.StringIO()
-    with contextlib.redirect_stdout(text):
-        try:
-            getattr(importlib.import_module(module), attr)(["--help"])
-        except SystemExit as exit_:
-            code = exit_.code
-    out[name] = [code, text.getvalue(), sorted(m for m in ("torch", "megatron.core") if m in sys.modules)]
-print(json.dumps(out))
-"""
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(_scripts())],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout)
+    results = each_console_script("--help", ("torch", "megatron.core"), root=ROOT)
     assert sorted(results) == sorted(_scripts())
     for name, (code, text, loaded) in results.items():
         assert code in (0, None) and f"usage: {name}" in text, (name, code, text[:300])

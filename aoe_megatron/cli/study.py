@@ -78,7 +78,7 @@ def _seeds(text: str) -> tuple:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
-    from aoe_megatron.study.runner import StudyError, run_study, table1_probe
+    from aoe_megatron.study.runner import run_study, table1_probe
     from aoe_megatron.study.spec import SpecError, load_study
 
     try:
@@ -108,7 +108,8 @@ def main(argv=None) -> int:
         return _staged(study, out, args, command)
     print(f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds -> {out}", flush=True)
     t0 = time.perf_counter()
-    try:
+
+    def one_stage() -> int:
         if args.report_only:
             from aoe_megatron.study.runner import collect_finished
 
@@ -119,6 +120,19 @@ def main(argv=None) -> int:
         from aoe_megatron.study.report import write_report
 
         write_report(study, out, results, wall_seconds=time.perf_counter() - t0, command=command.strip())
+        print(f"report: {out / 'report.md'} (results.json, *.png beside it)", flush=True)
+        return 0
+
+    return _guarded(one_stage)
+
+
+def _guarded(work) -> int:
+    """``work()``'s exit code; a failed run or missing file: 1; an interrupt: 130, saying how to
+    resume."""
+    from aoe_megatron.study.runner import StudyError
+
+    try:
+        return work()
     except (StudyError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -126,8 +140,6 @@ def main(argv=None) -> int:
         print("\ninterrupted: run the same command again to resume (finished runs are kept)",
               file=sys.stderr)
         return 130
-    print(f"report: {out / 'report.md'} (results.json, *.png beside it)", flush=True)
-    return 0
 
 
 def _unknown(args, study) -> str:
@@ -140,12 +152,12 @@ def _unknown(args, study) -> str:
 
 def _staged(study, out: Path, args, command: str) -> int:
     from aoe_megatron.study import plan as planning
-    from aoe_megatron.study.runner import StudyError
     from aoe_megatron.study.staged import collect_staged, describe, run_staged
 
     echo = lambda line: print(line, flush=True)  # noqa: E731
     t0 = time.perf_counter()
-    try:
+
+    def staged() -> int:
         if args.plan:
             describe(study, out, planning.make_plan(study, out), echo=echo)
             return 0
@@ -157,17 +169,12 @@ def _staged(study, out: Path, args, command: str) -> int:
         results = collect_staged(study, out)
         write_staged_report(study, out, results, wall_seconds=time.perf_counter() - t0,
                             command=command.strip())
-    except (StudyError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ninterrupted: run the same command again to resume (finished runs are kept)",
-              file=sys.stderr)
-        return 130
-    missing = len(results["missing"])
-    echo(f"report: {out / 'report.md'}" + (f" (partial: {missing} runs missing, listed there)"
-                                           if missing else ""))
-    return 0
+        missing = len(results["missing"])
+        echo(f"report: {out / 'report.md'}" + (f" (partial: {missing} runs missing, listed there)"
+                                               if missing else ""))
+        return 0
+
+    return _guarded(staged)
 
 
 if __name__ == "__main__":
