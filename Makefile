@@ -90,8 +90,9 @@ test: setup system-deps
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The second CI leg: the tests marked `legs` (every patch, the layer's numerics, EP=2, ZeRO, resume
-# and reshard, the pinned losses, HF export) on Python 3.12 with megatron-core 0.19.2. The whole
-# suite runs on the first leg (`make test`). docs/compatibility.md has the table.
+# and reshard, the pinned losses, HF export) on Python 3.12 with megatron-core 0.19.2, and the GPU
+# check's CPU form (the check's own release). The rest of the suite runs on the first leg (`make
+# test`). docs/compatibility.md has the table.
 test-mcore019: setup-mcore019 system-deps
 	@test -f $(ASSETS) || { $(PY019) -m aoe_megatron.cli.fetch_assets && touch $(ASSETS); }
 	$(PY019) -m pytest -m legs $(PYTEST_ARGS)

@@ -16,14 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from aoe_megatron.runtime.versions import installed_mcore
+
 ROOT = Path(__file__).resolve().parents[1]
+GPU_RELEASE = "0.19.2"  # tools/gpu_check.sh's default (GPU_CHECK_MCORE), its wheels' release
 STEPS = ["environment", "gpu-tests", "ep-nccl", "layer", "train-732m", "activations-4b",
          "ep-nccl-zero2", "bf16-accumulation", "checkpoint-memory"]
 
 
 def _check(tmp_path, *flags, timeout=600, **env):
-    from aoe_megatron.runtime.versions import installed_mcore
-
     # this leg's Python and megatron-core (the script's default is 0.19.2's virtualenv)
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PY": sys.executable,
            "GPU_CHECK_MCORE": installed_mcore(), **env}
@@ -34,10 +35,17 @@ def _check(tmp_path, *flags, timeout=600, **env):
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.legs
+@pytest.mark.skipif(installed_mcore() != GPU_RELEASE,
+                    reason=f"runs on the second CI leg (make test-mcore019): the GPU machine runs the "
+                           f"check on Python 3.12 with megatron-core {GPU_RELEASE}")
 def test_cpu_form_runs_every_step_and_writes_the_results(tmp_path):
     """Started from inside a launched job (its rendezvous port taken, as pytest's own process
     group holds it): each step is a job of its own all the same. The steps outside the default
-    set are recorded as skipped (test_steps_outside_the_default_set_* below)."""
+    set are recorded as skipped (test_steps_outside_the_default_set_* below).
+
+    On the second CI leg only, the check's own environment (the first leg has every other test of
+    the check; the steps' code paths are the suite's own, tested on both)."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

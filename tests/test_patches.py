@@ -32,6 +32,7 @@ from aoe_megatron.patches import (
     mcore_tensor_parallel_random,
     mcore_transformer_utils,
     mcore_utils,
+    mcore_wandb_import,
 )
 from aoe_megatron.runtime.versions import SUPPORTED_MCORE, installed_mcore
 from tests.helpers import make_transformer_config, run_distributed
@@ -169,6 +170,45 @@ def test_the_router_module_compiles_nothing_at_import():
         return
     assert loaded("unpatched") == ["True", "True"]
     assert loaded("patched") == ["False", "False"]
+
+
+_WANDB_AT_IMPORT = """
+import importlib.metadata, sys
+import aoe_megatron  # arms every import hook of this release
+from aoe_megatron.patches import mcore_wandb_import
+if sys.argv[1] == "unpatched":  # the wandb hook taken back out
+    sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "name", None) != "wandb"]
+import megatron.core.transformer.moe.moe_layer
+from megatron.core.inference.contexts import dynamic_context
+import wandb
+print("wandb.sdk" in sys.modules, dynamic_context.HAVE_WANDB, dynamic_context.wandb is wandb)
+assert wandb.__version__ == importlib.metadata.version("wandb")  # the first use runs it, in place
+import wandb as again
+print("wandb.sdk" in sys.modules, again is wandb, callable(wandb.init), mcore_wandb_import.is_deferred(wandb))
+"""
+
+
+def test_wandb_runs_at_its_first_use_not_when_megatron_core_imports():
+    """megatron-core imports wandb as it loads, to set a flag: about 0.9 s of every process's
+    start. With ``mcore_wandb_import`` it runs at its first use (as ``--wandb-project`` makes),
+    into the very module megatron-core holds; a process that never logs to W&B never runs it."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("wandb is not installed in this leg: megatron-core's import finds nothing to run")
+
+    def flags(mode):
+        done = subprocess.run([sys.executable, "-W", "ignore", "-c", _WANDB_AT_IMPORT, mode],
+                              capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).resolve().parents[1])
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.split()
+
+    assert flags("unpatched") == ["True", "True", "True", "True", "True", "True", "False"]
+    assert flags("patched") == ["False", "True", "True", "True", "True", "True", "False"]
+    assert mcore_wandb_import.apply() is False  # nothing to change after import
 
 
 def test_the_installed_release_gets_its_patches():

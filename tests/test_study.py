@@ -22,6 +22,10 @@ def quick_spec(study_data, tmp_path_factory):
     raw = yaml.safe_load((ROOT / "run/studies/default.yaml").read_text())
     raw["quick"]["data"] = str(study_data)
     raw["quick"]["table1"]["text"] = str(study_data.parent / "valid.jsonl")
+    # AoE on one process here (the spec's arm runs EP=2 on two): a study launches every arm through
+    # launch.command (tests/test_launch_path.py), whose EP=2 launches the trained fixtures make
+    aoe = next(a for a in raw["arms"] if a["name"] == "aoe")
+    aoe.update(world_size=1, expert_parallel_size=1)
     path = tmp_path_factory.mktemp("spec") / "default.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -73,11 +77,11 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     assert vs["ci_high"] == pytest.approx(d_mean + half, rel=1e-9, abs=1e-12)
     assert "vs_baseline" not in doc["arms"]["moe"]
     assert doc["contrasts"] == {"aoe": {}}  # compare_to: aoe, with no third arm in quick mode
-    # The AoE arm ran on two processes with EP=2 through torch.distributed.run, and was probed.
+    # The AoE arm ran as its spec says (one process here, see quick_spec), and was probed.
     record = json.loads((out / "runs/aoe/seed1/study-run.json").read_text())
-    assert "torch.distributed.run" in record["command"] and "--expert-model-parallel-size" in record["command"]
+    assert record["command"][:3] == [sys.executable, "-m", "aoe_megatron.train"], record
     state = json.loads(next((out / "runs/aoe/seed1/ckpt").glob("*/state.json")).read_text())
-    assert state["layout"]["world_size"] == 2 and state["layout"]["expert_parallel_size"] == 2
+    assert state["layout"]["world_size"] == 1 and state["layout"]["expert_parallel_size"] == 1
     assert doc["arms"]["aoe"]["probe"]["layers"] and "probe" not in doc["arms"]["moe"]
     # Curves came from the training runs' metrics.jsonl (validation every 2 steps, 4 steps).
     metrics = stats.read_metrics(out / "runs/moe/seed2/metrics.jsonl")

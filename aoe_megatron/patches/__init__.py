@@ -3,8 +3,9 @@
 megatron-core calls CUDA unconditionally in a few places. On a machine without CUDA (our CPU test
 machines, CI) those calls fail, so each is replaced by a device-neutral version. The patches are
 applied by one explicit call, :func:`apply_patches`; nothing is patched on import, with one
-exception: megatron-core wraps some kernels in ``torch.compile`` while it imports, so
-``import aoe_megatron`` calls :func:`arm` (import hooks) before any megatron-core module loads.
+exception: megatron-core wraps some kernels in ``torch.compile`` and imports wandb while it
+imports, so ``import aoe_megatron`` calls :func:`arm` (import hooks) before any megatron-core
+module loads.
 
 Each module here:
   - names the upstream file it changes (``TARGET``) and says what, why and for which versions;
@@ -43,6 +44,7 @@ from . import (
     mcore_tensor_parallel_random,
     mcore_transformer_utils,
     mcore_utils,
+    mcore_wandb_import,
 )
 from ._patching import revert_all
 from aoe_megatron.runtime.versions import baseline_release
@@ -61,6 +63,7 @@ ALL_PATCHES = (
     mcore_dist_ckpt_results_queue,
     mcore_dist_ckpt_state_dict_saver,
     mcore_dist_ckpt_write_digests,
+    mcore_wandb_import,
 )
 
 #: DeepSpeed's, applied by :func:`apply_deepspeed_patches` when DeepSpeed is imported (processes
@@ -84,7 +87,8 @@ def active_patches(release: str | None = None) -> tuple:
 
 def arm() -> None:
     """Import hooks for what megatron-core does while it imports (``mcore_jit``,
-    ``mcore_moe_router``); ``import aoe_megatron`` calls this before megatron-core loads."""
+    ``mcore_moe_router``, ``mcore_wandb_import``); ``import aoe_megatron`` calls this before
+    megatron-core loads."""
     for patch in active_patches():
         if hasattr(patch, "arm"):
             patch.arm()
