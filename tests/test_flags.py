@@ -1,5 +1,5 @@
 """The train command's flags (issue #23): Megatron-LM's names from one schema, help on every
-flag, no abbreviations, old spellings for one release, --save/--load as in Megatron-LM."""
+flag, no abbreviations, old spellings until the release runtime/deprecations.py names, --save/--load as in Megatron-LM."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from aoe_megatron.runtime.deprecations import renamed
 from aoe_megatron.train import flags
 from aoe_megatron.train.loop import main
 
@@ -93,6 +94,10 @@ def test_save_and_load_are_not_read_as_longer_flags():
                                   "--save", "a", "--load", "b"])
     assert (cfg.save, cfg.load, cfg.save_dir(), cfg.load_dir()) == ("a", "b", "a", "b")
     assert cfg.load_weights is None and cfg.save_interval == 0
+
+
+def test_the_old_spellings_are_the_registered_ones():
+    assert DEPRECATED == renamed("flag")  # runtime/deprecations.py: each names its release
 
 
 @pytest.mark.parametrize("old,new", sorted(DEPRECATED.items()))

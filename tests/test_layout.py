@@ -1,5 +1,5 @@
 """The package's rooms (issue #21): each imports only the rooms below it, no module imports itself
-back through a circle, and the import paths of the flat layout still work for one release."""
+back through a circle, and the import paths of the flat layout still work (until 0.2.0)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from aoe_megatron.runtime.deprecations import renamed
 
 PACKAGE = Path(__file__).resolve().parents[1] / "aoe_megatron"
 
@@ -30,9 +32,10 @@ ALLOWED = {
 }
 #: Modules that import nothing of the package and are open to every room: which megatron-core
 #: releases are supported, and sha256 of files as they are written, both used by the patches
-#: below everything else.
-LEAVES = {"aoe_megatron.runtime.versions", "aoe_megatron.runtime.hashing"}
-#: The flat layout's module names kept as thin aliases for one release, and where they went.
+#: below everything else; the deprecated names and the release that removes them.
+LEAVES = {"aoe_megatron.runtime.versions", "aoe_megatron.runtime.hashing",
+          "aoe_megatron.runtime.deprecations"}
+#: The flat layout's module names kept as thin aliases (until 0.2.0), and where they went.
 MOVED = {"aoe_megatron.config": "aoe_megatron.moe.config",
          "aoe_megatron.ops": "aoe_megatron.moe.ops",
          "aoe_megatron.model": "aoe_megatron.models.gpt",
@@ -99,6 +102,10 @@ def test_no_import_circle():
         if module not in state:
             visit(module, [module])
     assert not cycles, cycles
+
+
+def test_the_moved_modules_are_the_registered_ones():
+    assert MOVED == renamed("module")  # runtime/deprecations.py: each names its release
 
 
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))

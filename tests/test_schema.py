@@ -83,7 +83,7 @@ def test_old_key_in_preset_yaml_and_overrides(tmp_path):
     old.write_text("base: tiny\nmodel:\n  aoe: {weight_mode: softmax_topk}\n")
     with pytest.warns(DeprecationWarning) as record:
         cfg = load_preset(str(old))
-    assert "'selection'" in _one_deprecation(record) and cfg.aoe.selection == "softmax_topk"
+    assert "weight_mode is deprecated: use selection" in _one_deprecation(record) and cfg.aoe.selection == "softmax_topk"
     child = tmp_path / "child.yaml"  # a new key over a base with the old one: the child's wins
     child.write_text(f"base: {old}\nmodel:\n  aoe: {{selection: top_p, selection_options: {{p: 0.5}}}}\n")
     with pytest.warns(DeprecationWarning):

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Deprecated: use `aoe-checkpoints` (aoe_megatron.cli.checkpoints); this wrapper goes in the next release."""
+"""Deprecated: use `aoe-checkpoints` (aoe_megatron.cli.checkpoints); this wrapper goes in 0.2.0
+(``aoe_megatron/runtime/deprecations.py``)."""
 
 import sys
 
 from aoe_megatron.cli.checkpoints import main, parser  # noqa: F401  (importable, as before)
+from aoe_megatron.runtime.deprecations import deprecation
 
 if __name__ == "__main__":
-    print("note: tools/checkpoints.py is deprecated: use aoe-checkpoints", file=sys.stderr)
+    print(f"note: {deprecation('tools/checkpoints.py').notice()}", file=sys.stderr)
     raise SystemExit(main())

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
-"""Deprecated: use `aoe-convert-from-hf` (aoe_megatron.cli.convert_from_hf); this wrapper goes in the next release."""
+"""Deprecated: use `aoe-convert-from-hf` (aoe_megatron.cli.convert_from_hf); this wrapper goes in 0.2.0
+(``aoe_megatron/runtime/deprecations.py``)."""
 
 import sys
 
 from aoe_megatron.cli.convert_from_hf import main, parser  # noqa: F401  (importable, as before)
+from aoe_megatron.runtime.deprecations import deprecation
 
 if __name__ == "__main__":
-    print("note: tools/convert_from_hf.py is deprecated: use aoe-convert-from-hf", file=sys.stderr)
+    print(f"note: {deprecation('tools/convert_from_hf.py').notice()}", file=sys.stderr)
     raise SystemExit(main())

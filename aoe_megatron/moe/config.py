@@ -14,6 +14,7 @@ from aoe_megatron.moe.ops import (
     round_to_multiple,
 )
 from aoe_megatron.moe.selection import BIASABLE, check_options, selection_strategies
+from aoe_megatron.runtime.deprecations import deprecation, renamed
 
 CACHE_MODES = ("send", "recompute")
 RANK_SOURCES = ("cache", "frozen_random", "router")
@@ -231,9 +232,10 @@ MODEL_FIELDS = ("expert_bias", "bias_update_rate")
 AOE_ONLY_FIELDS = tuple(f.name for f in fields(AoEConfig)
                         if f.name not in MEGATRON_FIELD_MAP and f.name not in MODEL_FIELDS)
 
-#: Old setting name -> new one. Stored settings (preset YAML, checkpoints' and runs' recorded
-#: configs, study specs) written with the old name still load, with a DeprecationWarning.
-LEGACY_KEYS = {"weight_mode": "selection"}
+#: Old setting name -> new one (``runtime/deprecations.py``). Stored settings (preset YAML,
+#: checkpoints' and runs' recorded configs, study specs) written with the old name still load,
+#: with a DeprecationWarning.
+LEGACY_KEYS = renamed("key")
 
 
 def upgrade_legacy_keys(settings: dict, *, where: str = "settings") -> dict:
@@ -247,8 +249,7 @@ def upgrade_legacy_keys(settings: dict, *, where: str = "settings") -> dict:
         if new in out:
             raise ValueError(f"{where} sets both {old!r} and {new!r}: {old!r} is the old name of "
                              f"{new!r}; keep {new!r} only.")
-        warnings.warn(f"{where}: {old!r} is deprecated, renamed {new!r}.", DeprecationWarning,
-                      stacklevel=2)
+        warnings.warn(f"{where}: {deprecation(old).notice()}", DeprecationWarning, stacklevel=2)
         out[new] = out.pop(old)
     return out
 

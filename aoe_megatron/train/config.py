@@ -11,13 +11,13 @@ from typing import Optional
 
 
 def setting(default, group: str, help: str, *, megatron: Optional[str] = None, flag: str = "",
-            old: tuple = (), nargs: Optional[str] = None):
+            nargs: Optional[str] = None):
     """A training setting: its default, its help-text group, its help, its Megatron-LM flag
-    (``megatron``; the command line then spells it that way) and deprecated spellings (``old``,
-    accepted for one release). ``flag`` overrides the spelling derived from the field name;
+    (``megatron``; the command line then spells it that way); its deprecated spellings are in
+    ``runtime/deprecations.py``. ``flag`` overrides the spelling derived from the field name;
     ``nargs="+"``: the flag takes one or more values (a tuple of strings)."""
     return field(default=default, metadata={"group": group, "help": help, "megatron": megatron,
-                                            "flag": flag, "old": old, "nargs": nargs})
+                                            "flag": flag, "nargs": nargs})
 
 
 #: The help's groups, in order: Megatron-LM's (model, parallelism, training, learning rate,
@@ -49,8 +49,7 @@ class TrainConfig:
     expert_parallel_size: int = setting(1, PARALLEL, "expert-parallel size: processes that share "
                                         "one copy of the experts, each holding num_experts/EP of "
                                         "them; divides the processes",
-                                        megatron="--expert-model-parallel-size",
-                                        old=("--expert-parallel-size",))
+                                        megatron="--expert-model-parallel-size")
     zero_stage: int = setting(1, PARALLEL, "DeepSpeed ZeRO stage 1, 2 or 3 (optimizer state, + "
                               "gradients, + weights partitioned over data-parallel ranks); 3 only "
                               "with EP=1")
@@ -64,8 +63,7 @@ class TrainConfig:
                                      "parallel processes (the rest is gradient accumulation)",
                                      megatron="--global-batch-size")
     train_steps: Optional[int] = setting(None, TRAINING, "optimizer steps to train for (give this "
-                                         "or --train-tokens)", megatron="--train-iters",
-                                         old=("--train-steps",))
+                                         "or --train-tokens)", megatron="--train-iters")
     train_tokens: Optional[int] = setting(None, TRAINING, "tokens to train on instead of "
                                           "--train-iters: steps = ceil(tokens / (global batch x "
                                           "sequence length))")
@@ -85,13 +83,13 @@ class TrainConfig:
                                     "but rounds away small gradients)")
     recompute: bool = setting(False, TRAINING, "recompute each MoE layer's activations in backward "
                               "(less memory, about one more forward of the layer)",
-                              megatron="--moe-layer-recompute", old=("--recompute",))
+                              megatron="--moe-layer-recompute")
     # --- learning rate
     lr: float = setting(2e-4, LR, "peak learning rate", megatron="--lr")
     min_lr: float = setting(1.28e-5, LR, "learning rate at the end of the cosine decay",
                             megatron="--min-lr")
     warmup_steps: int = setting(4800, LR, "steps of linear warm-up to --lr",
-                                megatron="--lr-warmup-iters", old=("--warmup-steps",))
+                                megatron="--lr-warmup-iters")
     override_opt_param_scheduler: bool = setting(
         False, LR, "resuming: continue on this command's learning-rate schedule (--lr, --min-lr, "
         "--lr-warmup-iters, the run's length) where it differs from the checkpoint's",
@@ -128,7 +126,7 @@ class TrainConfig:
         None, DATA, "the training data: a data config YAML (run/data-*.yaml, or the package's by "
         "file name), a dataset prefix, or Megatron-LM's blend list W1 PREFIX1 W2 PREFIX2 ... "
         "(prefixes without weights are weighted by size); required unless --mock-data or "
-        "--train-data-path", megatron="--data-path", old=("--data",), nargs="+")
+        "--train-data-path", megatron="--data-path", nargs="+")
     split: Optional[str] = setting(
         None, DATA, "train,valid,test shares of each --data-path prefix's documents, e.g. "
         "98,1,1 (default 969,30,1 as Megatron-LM; a data config gives its own split:)",

@@ -1,6 +1,7 @@
 """The train command's flags, generated from ``TrainConfig``'s schema (``config.setting``):
 Megatron-LM's spelling where Megatron-LM has the setting, help grouped as Megatron-LM groups its
-own, deprecated spellings accepted for one release with a note, no abbreviations. Megatron-LM's
+own, deprecated spellings accepted with a note until the release ``runtime/deprecations.py``
+names, no abbreviations. Megatron-LM's
 model-shape flags (``--num-layers``, ...) are spellings of ``--set`` (``train/model_flags.py``);
 an unknown flag gets a sentence saying what to type instead. The parser is built without torch
 (``--help``); reading the preset (``parse_with_preset``) loads it."""
@@ -13,6 +14,7 @@ import sys
 from dataclasses import fields
 
 from aoe_megatron.runtime.command_line import CommandParser
+from aoe_megatron.runtime.deprecations import deprecation, renamed
 from aoe_megatron.train.config import GROUPS, TrainConfig
 from aoe_megatron.train.model_flags import MODEL_FLAGS, hint, with_model_flags
 
@@ -22,6 +24,11 @@ PROG = "aoe-train"
 SHORTCUTS = {"--bf16": ("precision", "bf16", "--bf16", "short for --precision bf16")}
 #: The namespace's prefix for the model flags' values (model_flags.MODEL_FLAGS).
 MODEL_FLAG = "model_flag:"
+
+#: New spelling -> its deprecated ones (runtime/deprecations.py).
+_OLD: dict = {}
+for _old, _new in renamed("flag").items():
+    _OLD.setdefault(_new, []).append(_old)
 
 
 def flag_of(f) -> str:
@@ -43,8 +50,8 @@ class _Deprecated(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if os.environ.get("RANK", "0") == "0":
-            print(f"note: {option_string} is deprecated: use {self.new} (Megatron-LM's name); the "
-                  f"old spelling goes in the next release", file=sys.stderr, flush=True)
+            print(f"note: {deprecation(option_string).notice()}; {self.new} is Megatron-LM's name",
+                  file=sys.stderr, flush=True)
         if self.kind is bool:
             values = True
         elif self.dest == "model_overrides":
@@ -117,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
         else:
             group.add_argument(spelling, dest=f.name, type=kind, default=None,
                                required=f.name == "preset", help=text, metavar=metavar)
-        for old in f.metadata["old"]:
+        for old in _OLD.get(spelling, ()):
             if f.metadata.get("nargs"):  # an old spelling of a list flag takes its one old value
                 kind = str
             group.add_argument(old, dest=f.name, action=_Deprecated, new=spelling, kind=kind,
@@ -180,7 +187,7 @@ def markdown_table() -> str:
             "|---|---|---|---|---|"]
     for f in fields(TrainConfig):
         megatron = f"`{f.metadata['megatron']}`" if f.metadata["megatron"] else "none"
-        old = ", ".join(f"`{o}`" for o in f.metadata["old"]) or ""
+        old = ", ".join(f"`{o}`" for o in _OLD.get(flag_of(f), ())) or ""
         rows.append(f"| `{flag_of(f)}` | {f.metadata['group']} | {megatron} | `{f.name}` | {old} |")
     for spelling, (dest, value, megatron, _) in SHORTCUTS.items():
         rows.append(f"| `{spelling}` | training | `{megatron}` | `{dest}: {value}` | |")
