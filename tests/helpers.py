@@ -5,72 +5,35 @@ constants; shared fixtures live in conftest.py). No test file imports another te
 from __future__ import annotations
 
 import json
-import os
-import time
-import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from aoe_megatron.runtime.distributed import free_port
+from aoe_megatron.runtime.spawn import spawn
 
 
-def _worker(rank, world_size, port, expert_parallel_size, fn, args, errors):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    # As torchrun sets them (DeepSpeed reads them).
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+def _megatron_rank(rank, fn, world_size, expert_parallel_size, args):
     torch.set_num_threads(1)
     from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     try:
         init_megatron(rank=rank, world_size=world_size, expert_parallel_size=expert_parallel_size)
         fn(rank, world_size, *args)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
     finally:
         shutdown()
 
 
 def run_distributed(fn, world_size: int, *args, expert_parallel_size: int | None = None,
                     timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; re-raise any failure.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (``runtime.spawn``);
+    raises ``SpawnFailed`` with every failed rank's traceback.
 
     ``fn`` must be importable (a module-level function). Megatron's parallel state is set up with
     the given expert-parallel size (default: world_size).
     """
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
     ep = world_size if expert_parallel_size is None else expert_parallel_size
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, ep, fn, args, errors), daemon=False)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    failures = []
-    while not errors.empty():
-        failures.append(errors.get())
-    if failures:
-        # NOTE: report every rank: the first to fail is often not rank 0, whose error is then
-        # only "connection closed by peer".
-        report = "\n".join(f"--- rank {r} of {world_size}:\n{tb}" for r, tb in sorted(failures))
-        raise AssertionError(f"{len(failures)} rank(s) failed:\n{report}")
-    if alive:
-        raise AssertionError(f"{len(alive)} of {world_size} ranks still running after {timeout}s")
-    bad = [p.exitcode for p in procs if p.exitcode != 0]
-    if bad:
-        raise AssertionError(f"ranks exited with codes {bad}")
+    spawn(_megatron_rank, world_size, fn, world_size, ep, args, timeout=timeout, what="gloo ranks")
 
 
 def silu64(x):

@@ -186,7 +186,7 @@ def test_an_imported_checkpoint_verifies_and_exports(exported, corpus, tmp_path,
     from aoe_megatron.hf.convert import export_to_hf, import_from_hf
 
     step = import_from_hf(exported, tmp_path / "back", log=None)
-    manifest = integrity.read_manifest(step)
+    manifest = integrity.read_checkpoint_manifest(step)
     assert manifest is not None and "state.json" in manifest["files"], manifest
     assert any(name.startswith("model/") for name in manifest["files"]), manifest
     assert integrity.verify(step) == []

@@ -107,10 +107,10 @@ def test_cuda_gmm_bf16_matches_a_per_group_loop(trans_b):
 
 
 def _grouped_and_sequential(dtype):
-    from aoe_megatron.bench.arms import LayerShape, build_moe, transformer_config
+    from aoe_megatron.bench.arms import LayerShape, build_moe, layer_transformer_config
 
     shape = LayerShape(d_model=D, num_experts=len(COUNTS), top_k=2, d_ffn=F, d_low=8, tokens=16)
-    tc = transformer_config(shape, dtype=dtype, device="cpu", use_te=False)
+    tc = layer_transformer_config(shape, dtype=dtype, device="cpu", use_te=False)
     torch.manual_seed(0)
     moe = build_moe(tc, device="cpu", use_te=False)
     grouped = mg.build_grouped_moe(tc, device="cpu", use_te=False)

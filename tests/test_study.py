@@ -1,8 +1,11 @@
-"""The evidence study (aoe-study): the quick mode end to end through the real entry points,
-its statistics recomputed by hand from the numbers it produced, reuse and resume, spec errors."""
+"""The v1 evidence study (aoe-study default): its report and statistics, recomputed by hand, from
+the quick mode's real records (tests/data/study_v1_quick: the training and evaluation behind them
+run in tests/test_study_staged.py's quick v2 study, through the same functions); finished runs
+reused; a changed spec refused; spec errors."""
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from aoe_megatron.study import stats
 from aoe_megatron.study.spec import SpecError, load_study, study_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
+RECORDS = ROOT / "tests/data/study_v1_quick"
 T_975_ONE_DOF = 12.706204736174698  # Student t, 97.5% quantile, 1 degree of freedom (tables)
 
 
@@ -22,10 +26,6 @@ def quick_spec(study_data, tmp_path_factory):
     raw = yaml.safe_load((ROOT / "run/studies/default.yaml").read_text())
     raw["quick"]["data"] = str(study_data)
     raw["quick"]["table1"]["text"] = str(study_data.parent / "valid.jsonl")
-    # AoE on one process here (the spec's arm runs EP=2 on two): a study launches every arm through
-    # launch.command (tests/test_launch_path.py), whose EP=2 launches the trained fixtures make
-    aoe = next(a for a in raw["arms"] if a["name"] == "aoe")
-    aoe.update(world_size=1, expert_parallel_size=1)
     path = tmp_path_factory.mktemp("spec") / "default.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -36,16 +36,33 @@ def _study(spec, out, *extra):
                            "--out", str(out), *extra], capture_output=True, text=True, timeout=900)
 
 
+def _records(spec, out: Path) -> None:
+    """The quick mode's records under ``out``, keyed to this session's corpus (the fingerprint
+    hashes the data path; Table 1's settings name the held-out text)."""
+    study = load_study(str(spec), quick=True)
+    shutil.copytree(RECORDS, out)
+    for arm in study.arms:
+        for seed in study.seeds:
+            path = out / "runs" / arm.name / f"seed{seed}" / "study-run.json"
+            record = json.loads(path.read_text())
+            record["fingerprint"] = arm.fingerprint(seed, study.data)
+            path.write_text(json.dumps(record, indent=2) + "\n")
+    path = out / "table1" / "table1.json"
+    table1 = json.loads(path.read_text())
+    table1["study_settings"] = study.table1
+    path.write_text(json.dumps(table1, indent=2) + "\n")
+
+
 @pytest.fixture(scope="module")
 def quick_study(quick_spec, tmp_path_factory):
+    """The report the recorded quick study gives (``--report-only``)."""
     out = tmp_path_factory.mktemp("study") / "out"
-    proc = _study(quick_spec, out)
+    _records(quick_spec, out)
+    proc = _study(quick_spec, out, "--report-only")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, proc
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
 def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study, quick_spec):
     out, proc = quick_study
     doc = json.loads((out / "results.json").read_text())
@@ -77,11 +94,10 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     assert vs["ci_high"] == pytest.approx(d_mean + half, rel=1e-9, abs=1e-12)
     assert "vs_baseline" not in doc["arms"]["moe"]
     assert doc["contrasts"] == {"aoe": {}}  # compare_to: aoe, with no third arm in quick mode
-    # The AoE arm ran as its spec says (one process here, see quick_spec), and was probed.
+    # The AoE arm ran on two processes with EP=2 through torch.distributed.run, and was probed.
     record = json.loads((out / "runs/aoe/seed1/study-run.json").read_text())
-    assert record["command"][:3] == [sys.executable, "-m", "aoe_megatron.train"], record
-    state = json.loads(next((out / "runs/aoe/seed1/ckpt").glob("*/state.json")).read_text())
-    assert state["layout"]["world_size"] == 1 and state["layout"]["expert_parallel_size"] == 1
+    assert "torch.distributed.run" in record["command"] and "--expert-model-parallel-size" in record["command"]
+    assert doc["arms"]["aoe"]["world_size"] == 2 and doc["arms"]["aoe"]["expert_parallel_size"] == 2
     assert doc["arms"]["aoe"]["probe"]["layers"] and "probe" not in doc["arms"]["moe"]
     # Curves came from the training runs' metrics.jsonl (validation every 2 steps, 4 steps).
     metrics = stats.read_metrics(out / "runs/moe/seed2/metrics.jsonl")
@@ -91,29 +107,21 @@ def test_quick_study_writes_report_plots_and_hand_checked_statistics(quick_study
     assert f"{doc['arms']['aoe']['heldout_loss']['mean']:.4f}" in report and "![loss](loss.png)" in report
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_finished_runs_are_reused_and_an_interrupted_one_resumes(quick_study, quick_spec):
+def test_a_rerun_reuses_every_finished_run_and_trains_nothing(quick_study, quick_spec):
+    """The study command itself (not --report-only) over finished runs: each run, its evaluation
+    and Table 1 reused, the report rewritten. (An interrupted run resuming: the quick v2 study.)"""
     out, _ = quick_study
     before = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed*/eval.json")}
-    # As if the study died after the moe seed-2 run's checkpoint but before it was recorded.
-    record_path = out / "runs/moe/seed2/study-run.json"
-    record = json.loads(record_path.read_text())
-    record["finished"] = False
-    record_path.write_text(json.dumps(record))
     proc = _study(quick_spec, out)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("finished earlier, reused") == 3
+    assert proc.stdout.count("finished earlier, reused") == 4
     assert "Table 1 probe: done earlier, reused" in proc.stdout
-    assert "moe seed 2: resuming" in proc.stdout
-    log = (out / "runs/moe/seed2/train.log").read_text()
-    assert "resumed from" in log.split("$ ")[-1] and "step       1/" not in log.split("$ ")[-1]
+    assert "training" not in proc.stdout and "resuming" not in proc.stdout
     after = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/seed*/eval.json")}
-    assert after == before  # nothing re-evaluated: the checkpoint and settings are the same
+    assert after == before  # nothing re-evaluated: the checkpoint step and settings are the same
+    assert (out / "report.md").stat().st_mtime_ns > max(before.values())
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
 def test_a_changed_spec_is_refused_not_mixed(quick_study, quick_spec, tmp_path):
     out, _ = quick_study
     raw = yaml.safe_load(quick_spec.read_text())

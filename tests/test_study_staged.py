@@ -172,11 +172,15 @@ def test_the_v2_spec_is_the_issue_s_design():
 @pytest.mark.distributed
 def test_quick_v2_trains_evaluates_every_checkpoint_and_reports(study_data, tmp_path):
     """Through ``aoe-study v2 --quick``: a 2-rate sweep, the rates carried to compare, every
-    checkpoint held out, tune's checkpoints deleted, Table 1 on compare's MoE, the report; then
-    ``--plan`` says everything is done and a second invocation trains nothing."""
+    checkpoint held out, tune's checkpoints deleted (compare's kept here), Table 1 on compare's
+    MoE, the report; then ``--plan`` says everything is done, and a second invocation resumes the
+    one run made to look interrupted (its checkpoint there, its record not finished) and trains
+    nothing else."""
     raw = copy.deepcopy(V2)
     raw["quick"].update(data=str(study_data))
     raw["quick"]["table1"]["text"] = str(study_data.parent / "valid.jsonl")
+    compare = next(s for s in raw["quick"]["stages"] if s["name"] == "compare")
+    compare["checkpoints"] = "keep"
     spec = tmp_path / "v2.yaml"
     spec.write_text(yaml.safe_dump(raw))
     out = tmp_path / "v2"
@@ -193,8 +197,9 @@ def test_quick_v2_trains_evaluates_every_checkpoint_and_reports(study_data, tmp_
         assert sorted(evaluation["curve"], key=int) == ["2", "4"]  # save_interval 2, 4 steps
         assert evaluation["curve"]["4"] == evaluation["heldout"]
         assert evaluation["curve"]["2"]["loss"] != evaluation["curve"]["4"]["loss"]
-        assert not paths.ckpt.exists()  # both stages delete their checkpoints once evaluated
-        assert json.loads(paths.record.read_text())["checkpoints_deleted"] is True
+        deleted = r.stage == "tune"  # deleted once evaluated; compare keeps them here
+        assert paths.ckpt.exists() != deleted
+        assert json.loads(paths.record.read_text()).get("checkpoints_deleted", False) is deleted
         if r.stage == "compare" and r.base == "moe":  # at its best rate of tune
             assert r.overrides == best[r.base]["overrides"]
             assert ("probe" in evaluation) == (r.base == "aoe_matched")
@@ -209,5 +214,17 @@ def test_quick_v2_trains_evaluates_every_checkpoint_and_reports(study_data, tmp_
     assert f"| router ({table1['results'][0]['label']}) | {table1['results'][0]['loss']:.4f}" in report
     again = subprocess.run(cmd + ["--plan"], capture_output=True, text=True, timeout=120)
     assert "stage compare: 2 runs planned (2 done)" in again.stdout, again.stdout
+    # As if the study died after compare's MoE run saved its last checkpoint, before its record
+    interrupted = next(r for r in plan.of("compare") if r.base == "moe")
+    paths = run_paths(out, interrupted.arm, interrupted.seed)
+    record = json.loads(paths.record.read_text())
+    paths.record.write_text(json.dumps({**record, "finished": False}))
+    before = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/seed*/eval.json")}
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert again.returncode == 0 and "training" not in again.stdout, again.stdout
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert again.stdout.count(": resuming (") == 1 and "training (" not in again.stdout, again.stdout
+    assert f"{interrupted.arm.name} seed 1: resuming" in again.stdout, again.stdout
+    log = paths.log.read_text().split("$ ")[-1]
+    assert "resumed from" in log and "step       1/" not in log
+    after = {p: p.stat().st_mtime_ns for p in out.glob("runs/*/*/seed*/eval.json")}
+    assert after == before and len(before) == 4  # nothing re-evaluated: same step, same settings

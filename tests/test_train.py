@@ -123,7 +123,7 @@ def _crash_during_save(rank, world_size, ckpt_dir):
     finally:
         integrity.sha256_file = real
     assert read and not [p for p in read if p.endswith(".distcp")], read
-    files = integrity.read_manifest(good)["files"]
+    files = integrity.read_checkpoint_manifest(good)["files"]
     assert not [p for p in good.rglob("*") if hashing.is_record(p)]
     for name, entry in files.items():
         assert entry["sha256"] == real(good / name), name

@@ -72,8 +72,8 @@ QUICK_SHAPES = {
 QUICK_SHAPES["tiny8-ep8"] = per_rank(QUICK_SHAPES["tiny8"], ep=8)
 
 
-def transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, use_te: bool,
-                       recompute_modules: list[str] | None = None, ep: int = 1):
+def layer_transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: str, use_te: bool,
+                             recompute_modules: list[str] | None = None, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # megatron-core refuses top-1 routing without it (per_rank's one-expert layers); with one
@@ -111,7 +111,7 @@ def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
     return layer.to(device=device, dtype=tc.params_dtype)
 
 
-def train_step(layer, x, g) -> None:
+def forward_backward(layer, x, g) -> None:
     from aoe_megatron.moe import loss_tracker
 
     for p in layer.parameters():

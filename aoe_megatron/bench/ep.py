@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import math
 import os
-import time
-import traceback
 from dataclasses import asdict, replace
 
 import torch
 
 from aoe_megatron.bench.arms import QUICK_SHAPES, SHAPES, LayerShape
 from aoe_megatron.bench.measure import ratio
+from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+from aoe_megatron.runtime.distributed import init_megatron, shutdown
+from aoe_megatron.runtime.spawn import spawn
 
 WORLD_SIZE = 2
 ARMS = ("moe", "aoe-send", "aoe-recompute")
@@ -88,9 +89,9 @@ class AllToAllBytes:
 
 
 def _build_arms(shape: LayerShape, *, device: str, dtype: torch.dtype, use_te: bool) -> dict:
-    from aoe_megatron.bench.arms import build_aoe, build_moe, transformer_config
+    from aoe_megatron.bench.arms import build_aoe, build_moe, layer_transformer_config
 
-    tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te, ep=WORLD_SIZE)
+    tc = layer_transformer_config(shape, dtype=dtype, device=device, use_te=use_te, ep=WORLD_SIZE)
     torch.manual_seed(0)
     arms = {"moe": build_moe(tc, device=device, use_te=use_te),
             "aoe-send": build_aoe(tc, shape, device=device, cache_mode="send"),
@@ -103,7 +104,7 @@ def _measure(rank: int, job: dict) -> dict:
     import torch.distributed as dist
     from megatron.core.transformer.moe import token_dispatcher
 
-    from aoe_megatron.bench.arms import train_step
+    from aoe_megatron.bench.arms import forward_backward
     from aoe_megatron.bench.measure import summarize, timed
 
     device, dtype, reps = job["device"], getattr(torch, job["dtype"]), job["reps"]
@@ -121,65 +122,28 @@ def _measure(rank: int, job: dict) -> dict:
     for arm, layer in arms.items():
         log(f"[ep {job['name']}] {arm} warm-up + all-to-all bytes", flush=True)
         counter.reset()
-        train_step(layer, x, g)
+        forward_backward(layer, x, g)
         comm[arm] = counter.totals()
     wall = {arm: [] for arm in arms}
     for i in range(reps):
         for arm, layer in arms.items():
             dist.barrier()
-            w, _ = timed(lambda: train_step(layer, x, g), device)
+            w, _ = timed(lambda: forward_backward(layer, x, g), device)
             wall[arm].append(w)
             log(f"[ep {job['name']}] {arm} rep {i + 1}/{reps}: {w:.3f} s (rank 0)", flush=True)
     return {arm: {"time_s": summarize(wall[arm]), "all_to_all_bytes": comm[arm]} for arm in arms}
 
 
-def _worker(rank: int, port: int, job: dict, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))
+def _rank(rank: int, job: dict) -> dict:
+    """One rank of the benchmark (runtime.spawn sets its rendezvous)."""
     if job["device"] == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD_SIZE))
-    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
-    from aoe_megatron.runtime.distributed import init_megatron, shutdown
-
     quiet_cpu_fallback_warnings()
     try:
         init_megatron(rank=rank, world_size=WORLD_SIZE, expert_parallel_size=WORLD_SIZE)
-        queue.put((rank, _measure(rank, job), None))
-    except BaseException:
-        queue.put((rank, None, traceback.format_exc()))
+        return _measure(rank, job)
     finally:
         shutdown()
-
-
-def spawn(job: dict, *, timeout: float) -> dict:
-    """Run the EP benchmark on WORLD_SIZE spawned ranks; {rank: result}. Raises on any failure."""
-    import torch.multiprocessing as mp
-
-    from aoe_megatron.runtime.distributed import free_port
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, job, queue)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    results, errors = {}, []
-    while not queue.empty():
-        rank, result, error = queue.get()
-        if error:
-            errors.append(f"--- rank {rank}:\n{error}")
-        else:
-            results[rank] = result
-    if errors or len(results) != WORLD_SIZE:
-        raise RuntimeError("EP benchmark failed:\n" + ("\n".join(errors) or
-                           f"{WORLD_SIZE - len(results)} rank(s) gave no result in {timeout:.0f} s"))
-    return results
 
 
 def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int,
@@ -194,7 +158,7 @@ def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int
     job = {"name": name, "shape": asdict(shape), "device": device, "reps": reps,
            "dtype": str(dtype).removeprefix("torch."), "use_te": use_te}
     log(f"[ep {name}] spawning {WORLD_SIZE} ranks, T={shape.tokens} tokens per rank")
-    ranks = spawn(job, timeout=300 if quick else 1800)
+    ranks = spawn(_rank, WORLD_SIZE, job, timeout=300 if quick else 1800, what="EP benchmark ranks")
     elem = torch.tensor([], dtype=dtype).element_size()
     expected_width = {"moe": shape.d_model, "aoe-send": shape.d_model + shape.d_low,
                       "aoe-recompute": shape.d_model}
@@ -202,7 +166,7 @@ def run(*, quick: bool, device: str, dtype: torch.dtype, use_te: bool, reps: int
     for arm in ARMS:
         r0 = ranks[0][arm]
         dispatch = r0["all_to_all_bytes"]["by_kind"]["forward dispatch"]
-        arms[arm] = {**r0, "rank_medians_s": [ranks[r][arm]["time_s"]["median"] for r in sorted(ranks)],
+        arms[arm] = {**r0, "rank_medians_s": [r[arm]["time_s"]["median"] for r in ranks],
                      "expected_dispatch_row_width": expected_width[arm],
                      "measured_dispatch_row_width": dispatch["bytes"] / max(dispatch["rows"], 1) / elem,
                      "expected_dispatch_bytes": dispatch["rows"] * expected_width[arm] * elem,

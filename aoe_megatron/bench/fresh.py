@@ -8,40 +8,36 @@ whose first act is to set the probe up starts with no such memory.
 
 from __future__ import annotations
 
-import os
-import traceback
+from aoe_megatron.runtime.spawn import spawn
 
 
-def _worker(job: dict, queue) -> None:
+def _phase(rank: int, job: dict) -> dict:
+    """The memory phase in the spawned process (runtime.spawn sets its rendezvous, world 1)."""
+    import torch
+
+    from aoe_megatron.bench import layer, measure, model
+    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+    from aoe_megatron.runtime.distributed import init_megatron, shutdown
+
+    if not measure.enable_cpu_peak_tracking():
+        raise RuntimeError("peak memory on CPU needs Linux with glibc and a writable "
+                           "/proc/self/clear_refs")
+    quiet_cpu_fallback_warnings()
+    torch.set_num_threads(job["threads"])
+    kw = dict(quick=job["quick"], device="cpu", dtype=getattr(torch, job["dtype"]),
+              use_te=False, log=lambda msg: print(f"[memory] {msg}", flush=True))
     try:
-        import torch
-
-        from aoe_megatron.bench import layer, measure, model
-        from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
-        from aoe_megatron.runtime.distributed import free_port, init_megatron, shutdown
-
-        if not measure.enable_cpu_peak_tracking():
-            raise RuntimeError("peak memory on CPU needs Linux with glibc and a writable "
-                               "/proc/self/clear_refs")
-        quiet_cpu_fallback_warnings()
-        torch.set_num_threads(job["threads"])
-        os.environ["MASTER_PORT"] = str(free_port())  # not the parent's
-        kw = dict(quick=job["quick"], device="cpu", dtype=getattr(torch, job["dtype"]),
-                  use_te=False, log=lambda msg: print(f"[memory] {msg}", flush=True))
         init_megatron(expert_parallel_size=1)
-        try:
-            out = {}
-            if job["layer"]:
-                out["layer"] = layer.run(**kw, shapes=job["shapes"], arms=job["arms"], reps=1,
-                                         phase="memory")
-            if job["model"]:
-                out["model"] = model.run(**kw, models=job["models"], archs=job["archs"], reps=1,
-                                         phase="memory")
-        finally:
-            shutdown()
-        queue.put((out, None))
-    except BaseException:
-        queue.put((None, traceback.format_exc()))
+        out = {}
+        if job["layer"]:
+            out["layer"] = layer.run(**kw, shapes=job["shapes"], arms=job["arms"], reps=1,
+                                     phase="memory")
+        if job["model"]:
+            out["model"] = model.run(**kw, models=job["models"], archs=job["archs"], reps=1,
+                                     phase="memory")
+        return out
+    finally:
+        shutdown()
 
 
 def memory_phase(*, quick: bool, dtype, shapes, layer: bool, model: bool, threads: int,
@@ -49,17 +45,9 @@ def memory_phase(*, quick: bool, dtype, shapes, layer: bool, model: bool, thread
     """{"layer": ..., "model": ...} memory results, measured in a spawned process (the layer
     level's ``shapes`` and ``arms``, the model level's ``models`` and ``archs``, as layer.run and
     model.run take them)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     job = {"quick": quick, "dtype": str(dtype).removeprefix("torch."), "shapes": shapes,
            "arms": arms, "models": models, "archs": list(archs), "layer": layer, "model": model,
            "threads": threads}
-    proc = ctx.Process(target=_worker, args=(job, queue))
-    proc.start()
-    result, error = queue.get()
-    proc.join()
-    if error:
-        raise RuntimeError(f"the memory phase failed:\n{error}")
+    # no deadline of its own (a full benchmark's memory phase takes as long as it takes)
+    (result,) = spawn(_phase, 1, job, timeout=float("inf"), what="memory-phase process")
     return result

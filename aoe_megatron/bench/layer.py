@@ -35,7 +35,7 @@ import torch
 from aoe_megatron.bench import mcore_grouped
 from aoe_megatron.bench.arms import (ARM_FIELDS, NAMED_ONLY_SHAPES, QUICK_SHAPES, SHAPES, LayerShape,
                                      arm_d_wide, arm_skips, arms_for, build_aoe, build_moe,
-                                     expert_params, shape_flops, train_step, transformer_config)
+                                     expert_params, shape_flops, forward_backward, layer_transformer_config)
 from aoe_megatron.bench.measure import SavedTensorBytes, peak_memory, ratio, summarize, timed
 
 # NOTE: the default run's time budget (< 20 min on 2 CPU cores): the 4b shape, ~3x the FLOPs of
@@ -78,7 +78,7 @@ def verdict(value: float | None, limit: float) -> str:
 
 
 def _build_arms(shape: LayerShape, arms: list[str], *, device, dtype, use_te):
-    tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
+    tc = layer_transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
     torch.manual_seed(0)
     layers = {"moe": build_moe(tc, device=device, use_te=use_te)}
     if "moe-grouped" in arms:  # the moe arm's router and experts, in grouped-GEMM experts
@@ -145,12 +145,12 @@ def _bench_arms(name, shape, arms, *, device, dtype, use_te, reps, phase, log) -
         return {"arms": out, "recompute": recompute}
     for arm in arms:
         log(f"[layer {name}] {arm} warm-up")
-        train_step(layers[arm], x, g)
+        forward_backward(layers[arm], x, g)
     wall = {arm: [] for arm in arms}
     cpu = {arm: [] for arm in arms}
     for i in range(reps):
         for arm in arms:  # alternate the arms rep by rep
-            w, c = timed(lambda: train_step(layers[arm], x, g), device)
+            w, c = timed(lambda: forward_backward(layers[arm], x, g), device)
             wall[arm].append(w)
             cpu[arm].append(c)
             log(f"[layer {name}] {arm} rep {i + 1}/{reps}: {w:.3f} s wall, {c:.3f} s CPU")
@@ -194,9 +194,9 @@ def _recompute_rows(name, shape, base, x, g, *, device, dtype, use_te, log) -> l
     with the weights of the first arm measured at Eq. 5's d_wide (``aoe``, unless --arms left it
     out)."""
     moe_policy = ["moe"]
-    tc_moe = transformer_config(shape, dtype=dtype, device=device, use_te=use_te,
+    tc_moe = layer_transformer_config(shape, dtype=dtype, device=device, use_te=use_te,
                                 recompute_modules=moe_policy)
-    tc = transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
+    tc = layer_transformer_config(shape, dtype=dtype, device=device, use_te=use_te)
     ref = next((a for a in base if ARM_FIELDS[a] is not None
                 and arm_d_wide(shape, a) == shape.d_wide), None)
     builds = [("moe", "moe", lambda: build_moe(tc_moe, device=device, use_te=use_te), "moe"),
@@ -204,7 +204,7 @@ def _recompute_rows(name, shape, base, x, g, *, device, dtype, use_te, log) -> l
               ("low_rank", "aoe", lambda: build_aoe(tc, shape, device=device,
                                                     recompute_low_rank=True), ref)]
     if use_te:  # megatron-core's moe_act recompute needs the grouped GEMM (CUDA + TE)
-        tc_act = transformer_config(shape, dtype=dtype, device=device, use_te=True,
+        tc_act = layer_transformer_config(shape, dtype=dtype, device=device, use_te=True,
                                     recompute_modules=["moe_act"])
         builds.append(("moe_act", "moe", lambda: build_moe(tc_act, device=device, use_te=True), "moe"))
     rows = []

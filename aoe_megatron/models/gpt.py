@@ -143,10 +143,12 @@ def math_revision(cfg: ModelConfig) -> int:
 PRESET_DIR = resources.path("presets")
 
 
-def _merge(base: dict, over: dict) -> dict:
+def merge_settings(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` laid on top, section by section (a preset over the one it extends;
+    a study's arm over its shared settings)."""
     out = dict(base)
     for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge_settings(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -174,7 +176,7 @@ def preset_dict(name_or_path: str, _seen=()) -> dict:
     if isinstance(raw.get("model"), dict):  # old key names, before a base's new ones meet them
         raw["model"] = upgrade_sections(raw["model"], where=f"preset {path}")
     base = raw.pop("base", None)
-    return _merge(preset_dict(base, _seen + (path,)), raw) if base else raw
+    return merge_settings(preset_dict(base, _seen + (path,)), raw) if base else raw
 
 
 def load_preset(name_or_path: str, **overrides) -> ModelConfig:

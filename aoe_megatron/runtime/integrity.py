@@ -165,7 +165,7 @@ def write_manifest(root, *, files: Optional[dict] = None,
     return manifest
 
 
-def read_manifest(root) -> Optional[dict]:
+def read_checkpoint_manifest(root) -> Optional[dict]:
     """The manifest, None if the checkpoint has none; CorruptCheckpoint if it is unreadable."""
     path = Path(root) / MANIFEST
     if not path.is_file():
@@ -204,7 +204,7 @@ def verify(root, *, trust_stamps: bool = False, record: bool = True,
     dist, rank, world = _dist()
     problems, checked = [], {}
     try:
-        manifest = read_manifest(root)
+        manifest = read_checkpoint_manifest(root)
     except CorruptCheckpoint as err:
         manifest, problems = None, [str(err)]
     if manifest is None and not problems:

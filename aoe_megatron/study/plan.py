@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from aoe_megatron.models.gpt import _merge
+from aoe_megatron.models.gpt import merge_settings
 from aoe_megatron.study.runner import run_paths
 from aoe_megatron.study.spec import Arm, Study
 from aoe_megatron.study.stages import apply_overrides, carried, edge_extension, run_id, sweep_points
@@ -56,8 +56,8 @@ def _read(path: Path):
 def stage_arm(study: Study, stage, base: str, overrides: dict) -> Arm:
     """The catalog arm ``base`` as it runs in ``stage`` with ``overrides``."""
     arm = study.arm(base)
-    preset = {"model": _merge(arm.preset["model"], stage.model),
-              "train": _merge(arm.preset["train"], stage.train)}
+    preset = {"model": merge_settings(arm.preset["model"], stage.model),
+              "train": merge_settings(arm.preset["train"], stage.train)}
     rid = run_id(base, overrides)
     return replace(arm, name=rid, preset=apply_overrides(preset, overrides),
                    folder=f"{stage.name}/{rid}")

@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aoe_megatron.models.gpt import ModelConfig, _merge
+from aoe_megatron.models.gpt import ModelConfig, merge_settings
 from aoe_megatron.models.settings import SECTIONS, upgrade_sections
 from aoe_megatron.moe.config import LEGACY_KEYS
 from aoe_megatron.runtime import resources
@@ -177,7 +177,7 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
         _check_keys(q, QUICK_KEYS, f"{source}: quick")
         q["model"] = _upgraded(q.get("model"), f"{source}: quick.model")
         for key in ("model", "train", "evaluation", "probe", "table1"):
-            raw[key] = _merge(raw.get(key) or {}, q.get(key) or {})
+            raw[key] = merge_settings(raw.get(key) or {}, q.get(key) or {})
         raw["seeds"] = q.get("seeds", raw["seeds"])
         raw["stages"] = q.get("stages", raw.get("stages"))
         raw["data"] = q.get("data", raw["data"])
@@ -204,8 +204,8 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
         if not name or not name.replace("_", "").replace("-", "").isalnum():
             raise SpecError(f"{source}: arm name {name!r} must be letters, digits, - and _")
         arm_model = _upgraded(entry.get("model"), f"{source}: arm {name}: model")
-        preset = {"model": _merge(raw.get("model") or {}, arm_model or {}),
-                  "train": _merge(raw.get("train") or {}, entry.get("train") or {})}
+        preset = {"model": merge_settings(raw.get("model") or {}, arm_model or {}),
+                  "train": merge_settings(raw.get("train") or {}, entry.get("train") or {})}
         arm = Arm(name=name, label=str(entry.get("label", name)), preset=preset,
                   world_size=int(entry.get("world_size", 1)),
                   expert_parallel_size=int(entry.get("expert_parallel_size", 1)))

@@ -33,7 +33,7 @@ import copy
 import itertools
 from dataclasses import dataclass, field
 
-from aoe_megatron.models.gpt import _merge
+from aoe_megatron.models.gpt import merge_settings
 
 SWEEP_KEYS = {"lr": ("train", "lr"), "bias_update_rate": ("model", "bias_update_rate")}
 """The settings a stage may sweep, carry or scale, and where each lives in a preset."""
@@ -79,7 +79,7 @@ class Stage:
     checkpoints: str = "keep"
 
     def steps(self, base_train: dict) -> int:
-        return int(_merge(base_train, self.train).get("train_steps", 0))
+        return int(merge_settings(base_train, self.train).get("train_steps", 0))
 
 
 def run_id(arm: str, overrides: dict) -> str:
