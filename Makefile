@@ -86,8 +86,15 @@ system-deps:
 	  else echo "note: Slurm and munge are missing and this is not root: the Slurm test will skip"; fi; \
 	fi
 
+# In two passes: the tests that start no processes of their own on TEST_WORKERS pytest workers
+# (pytest-xdist), then the slow, distributed and Slurm tests one at a time (each starts its own
+# processes, with their own time-outs: two of them sharing the cores would only slow both). A pass
+# that selects nothing (exit 5: PYTEST_ARGS naming one file, say) is not a failure. To select by
+# marker, run pytest itself.
+TEST_WORKERS ?= 2
 test: setup system-deps
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not distributed and not slurm" -n $(TEST_WORKERS) $(PYTEST_ARGS) || test $$? -eq 5
+	$(PY) -m pytest -m "slow or distributed or slurm" $(PYTEST_ARGS) || test $$? -eq 5
 
 # The second CI leg: the tests marked `legs` (every patch, the layer's numerics, EP=2, ZeRO, resume
 # and reshard, the pinned losses, HF export) on Python 3.12 with megatron-core 0.19.2, and the GPU
