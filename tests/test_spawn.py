@@ -32,11 +32,26 @@ def _exits_without_result(rank):
     os._exit(3)
 
 
+def _slow_to_exit(rank):
+    """Its result at once; its exit 7 s later (a non-daemon thread, as a checkpoint writer's)."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(7,)).start()
+    return rank
+
+
 @pytest.mark.distributed
 def test_results_come_back_by_rank_with_the_rendezvous_set():
     out = spawn(_identify, 3, 10, timeout=120)
     assert [r["value"] for r in out] == [10, 11, 12]
     assert [r["env"] for r in out] == [[str(r), str(r), "3"] for r in range(3)]
+
+
+@pytest.mark.distributed
+def test_a_rank_slow_to_exit_after_its_result_is_waited_for():
+    started = time.monotonic()
+    assert spawn(_slow_to_exit, 1, timeout=60) == [0]
+    assert time.monotonic() - started >= 7
 
 
 @pytest.mark.distributed

@@ -37,7 +37,8 @@ def spawn(fn: Callable, nprocs: int, *args, timeout: float, rendezvous: bool = T
     ``rendezvous`` each process gets MASTER_ADDR/MASTER_PORT (one free port), RANK, LOCAL_RANK
     and WORLD_SIZE; without, the environment as it is. Results are read as they come (a large one
     cannot block its process's exit). Raises :class:`SpawnFailed` if any process fails, exits
-    without a result or is still running ``timeout`` seconds after the start (it is killed)."""
+    without a result, or is still running ``timeout`` seconds after the start (it is killed), as
+    its result may already be in: the processes' exits are part of what they do."""
     import torch.multiprocessing as mp
 
     from aoe_megatron.runtime.distributed import free_port
@@ -57,20 +58,18 @@ def spawn(fn: Callable, nprocs: int, *args, timeout: float, rendezvous: bool = T
             rank, ok, value = queue.get()
             (results if ok else failures)[rank] = value
 
-    while len(results) + len(failures) < nprocs and time.monotonic() < deadline:
+    # until every process has exited (a process that gave its result may take a while to exit:
+    # its process group and checkpoint writers shut down), reading results as they come
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
         drain()
-        if all(not p.is_alive() for p in procs):
-            drain()
-            break
         time.sleep(0.02)
-    for p in procs:
-        p.join(max(0.0, min(5.0, deadline - time.monotonic())))
     drain()
     for rank, p in enumerate(procs):
         if p.is_alive():
             p.kill()
             p.join()
-            failures.setdefault(rank, f"still running after {timeout:.0f} s: killed")
+            done = " (its result in, not its exit)" if rank in results else ""
+            failures.setdefault(rank, f"still running after {timeout:.0f} s{done}: killed")
         elif rank not in results and rank not in failures:
             failures[rank] = f"exited with code {p.exitcode} and no result"
         elif p.exitcode != 0 and rank not in failures:
