@@ -87,7 +87,6 @@ def test_the_lease_is_renewed_while_held(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
 def test_a_second_launch_on_a_held_folder_writes_nothing_and_the_first_finishes(tmp_path, capsys):
     ck, run_dir = tmp_path / "ck", tmp_path / "run"
     args = ["--preset", "tiny", "--mock-data", "--train-iters", "4", "--micro-batch-size", "1",

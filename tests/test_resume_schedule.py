@@ -61,7 +61,6 @@ def mid_schedule(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
 def test_a_longer_run_is_refused_naming_both_lengths_and_the_two_flags(mid_schedule, tmp_path):
     run_dir = tmp_path / "run"
     refused = _train(["--train-iters", str(NEW_TOTAL), "--load", mid_schedule, "--save",
@@ -82,7 +81,6 @@ def test_a_longer_run_is_refused_naming_both_lengths_and_the_two_flags(mid_sched
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
 def test_override_continues_on_this_commands_schedule(mid_schedule, tmp_path):
     run_dir, ck = tmp_path / "run", tmp_path / "ck"
     done = _train(["--train-iters", str(NEW_TOTAL), "--load", mid_schedule, "--save", ck,
@@ -101,7 +99,6 @@ def test_override_continues_on_this_commands_schedule(mid_schedule, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
 def test_use_checkpoint_continues_on_the_checkpoints_schedule(mid_schedule, tmp_path):
     """Another --lr too: the optimizer's base rate follows the checkpoint's peak. Past the old
     schedule's last step the rate stays at its min-lr."""

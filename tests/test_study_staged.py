@@ -169,7 +169,6 @@ def test_the_v2_spec_is_the_issue_s_design():
 
 
 @pytest.mark.slow
-@pytest.mark.distributed
 def test_quick_v2_trains_evaluates_every_checkpoint_and_reports(study_data, tmp_path):
     """Through ``aoe-study v2 --quick``: a 2-rate sweep, the rates carried to compare, every
     checkpoint held out, tune's checkpoints deleted (compare's kept here), Table 1 on compare's
