@@ -80,6 +80,14 @@ def reference_aoe(x_TD, w_down_DER, w_up, w_p, w_o, *, top_k, norm="l2",
     return torch.stack(outputs), alpha_aux * num_experts * aux
 
 
+def read_aux(router) -> torch.Tensor:
+    """The L_aux of ``router``'s training forwards since the last read (their mean: a test reads it
+    after each), then reset; in the router's dtype where wider than fp32 (float64 here)."""
+    value = router.selection_stats.figures()[-1].clone()
+    router.selection_stats.reset()
+    return value
+
+
 def make_transformer_config(*, d_model=16, d_ffn=32, num_experts=4, top_k=2, ep=1,
                             dispatcher="alltoall", alpha_aux=0.0, dtype=torch.float32,
                             num_layers=2):
@@ -158,15 +166,11 @@ def singleton_pg_collection(rank: int, world_size: int):
 
 
 def megatron_model(step_dir: Path):
-    """The megatron-core model of a checkpoint step folder (its state.json's config), in eval
-    mode, without TransformerEngine."""
-    from aoe_megatron.models.gpt import ModelConfig, build_gpt_model, transformer_config
-    from aoe_megatron.train.checkpoint import load_model_weights
+    """The megatron-core model of a checkpoint step folder (its state record's config), in eval
+    mode on the CPU, without TransformerEngine."""
+    from aoe_megatron.checkpoint.model import load_model
 
-    cfg = ModelConfig.from_dict(json.loads((step_dir / "state.json").read_text())["config"]["model"])
-    model = build_gpt_model(cfg, transformer_config(cfg), use_te=False)
-    load_model_weights(step_dir, model)
-    return model.eval()
+    return load_model(step_dir, device="cpu", use_te=False)
 
 
 def eval_rows(task: str, split: str, n: int) -> list[dict]:

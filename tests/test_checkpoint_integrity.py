@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from aoe_megatron.runtime import hashing, integrity, launch
+from aoe_megatron.checkpoint import integrity, layout
+from aoe_megatron.runtime import hashing, launch
 from aoe_megatron.train import checkpoint as ckpt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +176,7 @@ def test_retention_keeps_the_newest_latest_and_last_verified(tmp_path):
     deleted = ckpt.apply_retention(tmp_path, 2, log=lambda _: None)
     assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000003",
                                                "step_00000004", "step_00000007.partial-host-123"]
-    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step_00000002", "step_00000005",
+    assert [p.name for p in layout.checkpoints(tmp_path)] == ["step_00000002", "step_00000005",
                                                             "step_00000006"]
 
 
@@ -190,7 +191,7 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tiny_refere
     ck, args = tmp_path / "ck", tiny_reference_run["args"]
     shutil.copytree(tiny_reference_run["ckpt"], ck)
     reference = tiny_reference_run["losses"]
-    assert [p.name for p in ckpt.checkpoints(ck)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
+    assert [p.name for p in layout.checkpoints(ck)] == [f"step_{s:08d}" for s in (2, 4, 6, 8)]
 
     # Three kinds of damage, newest first: a missing shard, a truncated file, flipped bytes.
     missing = ck / "step_00000008" / "optimizer" / "__1_0.distcp"
@@ -216,7 +217,7 @@ def test_corrupted_checkpoints_fall_back_to_the_newest_that_verifies(tiny_refere
         assert abs(losses[step] - reference[step]) <= 1e-6, (step, losses, reference)
     # --keep-last 1 kept the newest (step 8, which `latest` names) and the last verified one.
     assert (ck / "last_verified").read_text().strip() == "step_00000002"
-    assert [p.name for p in ckpt.checkpoints(ck)] == ["step_00000002", "step_00000008"]
+    assert [p.name for p in layout.checkpoints(ck)] == ["step_00000002", "step_00000008"]
     assert integrity.verify(ck / "step_00000008") == []
 
     # When no checkpoint verifies, nothing is loaded and the run does not start over.

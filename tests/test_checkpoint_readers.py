@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aoe_megatron.runtime import integrity
+from aoe_megatron.checkpoint import integrity
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_VERIFY_WARNING = "--no-verify: reading {} without checking its files"
@@ -148,7 +148,7 @@ def test_the_study_refuses_a_damaged_checkpoint(damaged, corpus, tmp_path, capsy
 
     named = f"{damaged['shard']} does not match its sha256"
     with pytest.raises(integrity.CheckpointDamaged, match="the evaluation refused") as caught:
-        evaluate.load_model(damaged["step"])
+        evaluate.open_model(damaged["step"])
     assert named in str(caught.value)
     with pytest.raises(integrity.CheckpointDamaged, match="the norm probe refused") as caught:
         probe.probe_checkpoint(damaged["step"], torch.zeros(2, 9, dtype=torch.long))

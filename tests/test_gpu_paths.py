@@ -65,12 +65,20 @@ def test_losses_are_reduced_on_the_comm_device(meta_only_group):
     assert meta_only_group == [torch.device("meta")]
 
 
+def _router_with_even_load(device="cpu"):
+    """A stand-in router whose statistics hold one forward: 4 tokens, each expert chosen once."""
+    from aoe_megatron.moe.selection_stats import SelectionStats
+
+    stats = SelectionStats(4)
+    eye = torch.eye(4, device=device)
+    stats.add(eye.bool(), torch.full((4, 4), 0.25, device=device), eye)
+    return SimpleNamespace(selection_stats=stats, layer_number=1)
+
+
 def test_selection_statistics_are_reduced_on_the_comm_device(meta_only_group):
     from aoe_megatron.train.metrics import selection_stats
 
-    router = SimpleNamespace(last_load=torch.full((4,), 0.25), last_mean_norm=torch.ones(4),
-                             last_ent_conf=torch.tensor(1.0), last_aux_loss=torch.tensor(0.1),
-                             layer_number=1)
+    router = _router_with_even_load()
     with pytest.raises(ReachedCollective):
         selection_stats(torch.nn.Linear(1, 1), [router])
     assert meta_only_group == [torch.device("meta")]
@@ -200,9 +208,7 @@ def test_cuda_training_collectives_on_nccl(megatron_world):
     assert agree_on_step(torch.tensor(2.5, device="cuda"), stop_raised=True) == (2.5, 0, True)
     loss = torch.tensor(2.5, device="cuda")
     assert distributed.reduce_across_ranks(loss, op="mean").item() == 2.5
-    router = SimpleNamespace(last_load=torch.full((4,), 0.25), last_mean_norm=torch.ones(4),
-                             last_ent_conf=torch.tensor(1.0), last_aux_loss=torch.tensor(0.1),
-                             layer_number=1)
+    router = _router_with_even_load("cuda")
     assert selection_stats(torch.nn.Linear(1, 1), [router])[1]["load"] == [0.25] * 4
 
 

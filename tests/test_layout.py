@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import sys
 import warnings
 from collections import defaultdict
@@ -20,15 +21,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aoe_megatron"
 ALLOWED = {
     "patches": set(),
     "runtime": {"patches"},
+    "checkpoint": {"models", "runtime"},
     "moe": {"runtime"},
     "models": {"moe", "runtime"},
     "data": {"runtime"},
-    "train": {"data", "models", "moe", "patches", "runtime"},
-    "hf": {"data", "models", "moe", "runtime"},
+    "train": {"checkpoint", "data", "models", "moe", "patches", "runtime"},
+    "hf": {"checkpoint", "data", "models", "moe", "runtime"},
     "evaluation": {"data", "hf", "models", "runtime"},
-    "bench": {"models", "moe", "runtime", "train"},
-    "study": {"bench", "data", "evaluation", "hf", "models", "moe", "runtime", "train"},
-    "cli": {"bench", "data", "evaluation", "hf", "models", "moe", "runtime", "study", "train"},
+    "bench": {"checkpoint", "models", "moe", "runtime", "train"},
+    "study": {"bench", "checkpoint", "data", "evaluation", "hf", "models", "moe", "runtime", "train"},
+    "cli": {"bench", "checkpoint", "data", "evaluation", "hf", "models", "moe", "runtime", "study",
+            "train"},
 }
 #: Modules that import nothing of the package and are open to every room: which megatron-core
 #: releases are supported, and sha256 of files as they are written, both used by the patches
@@ -83,6 +86,36 @@ def test_every_room_imports_only_the_rooms_below_it():
              and _room(b) not in ALLOWED[_room(a)] | {_room(a), ""}]
     assert not wrong, wrong
     assert not any(edges.get(leaf) for leaf in LEAVES), {leaf: edges.get(leaf) for leaf in LEAVES}
+
+
+#: What only the checkpoint room spells (``checkpoint/layout.py``): the pointer files' names exactly,
+#: and the state and manifest files' names anywhere in a string (a corpus manifest,
+#: ``PREFIX.manifest.json``, is another file: a name after a dot is not matched).
+CHECKPOINT_NAMES = re.compile(r"^(latest|last_verified)$|(?<![\w.])(state|manifest)\.json\b")
+
+
+def _string_literals(path: Path) -> list:
+    """(line, text) of each string constant of ``path`` that is not documentation (a docstring, or
+    any other string standing alone as a statement); f-strings' literal parts included."""
+    tree = ast.parse(path.read_text())
+    prose = {id(node.value) for node in ast.walk(tree)
+             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose]
+
+
+def test_only_the_checkpoint_room_spells_the_checkpoint_files_names():
+    """``latest``, ``last_verified``, ``state.json`` and ``manifest.json`` as code uses them (not
+    as prose): every reader and writer of checkpoints, in the package and in tools/, goes through
+    ``checkpoint/layout.py``."""
+    room = PACKAGE / "checkpoint"
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tools").glob("*.py")]
+    found = [f"{path.relative_to(PACKAGE.parent)}:{line}: {text!r}" for path in files
+             if room not in path.parents for line, text in _string_literals(path)
+             if CHECKPOINT_NAMES.search(text)]
+    assert not found, found
+    spelled = {text for path in room.glob("*.py") for _, text in _string_literals(path)}
+    assert {"latest", "last_verified", "state.json", "manifest.json"} <= spelled
 
 
 def test_no_import_circle():

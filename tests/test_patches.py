@@ -354,7 +354,8 @@ def test_checkpoint_writers_hash_what_they_write(megatron_world, tmp_path, monke
     threads in 0.19.2): unpatched, a save leaves no digest record and the manifest reads every
     data file back; patched, each .distcp has a record equal to its sha256, the manifest reads
     none of them, and its digests are those of a re-read."""
-    from aoe_megatron.runtime import hashing, integrity
+    from aoe_megatron.checkpoint import integrity
+    from aoe_megatron.runtime import hashing
 
     with without(mcore_dist_ckpt_write_digests):
         _save_tiny(tmp_path / "unpatched")

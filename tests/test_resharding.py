@@ -108,7 +108,7 @@ def _zero_adam_moments(checkpoint: Path) -> None:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    from aoe_megatron.runtime import integrity
+    from aoe_megatron.checkpoint import integrity
 
     optim = checkpoint / "optimizer"
     flat = checkpoint.parent / "optimizer.pt"

@@ -116,7 +116,7 @@ def test_a_resumed_run_appends_to_its_checkpoint_folders_run_dir(tmp_path):
     (an injected NaN) after saving step 2, restarted, resumes from step 2 and appends step 3 to
     the same metrics.jsonl; the first attempt's halted.json is gone, nothing is moved aside, and
     the checkpoint folder's readers see only its checkpoints."""
-    from aoe_megatron.train.checkpoint import checkpoints
+    from aoe_megatron.checkpoint.layout import checkpoints
 
     ck = tmp_path / "ck"
     args = ["--train-iters", "3", "--save-interval", "1", "--ckpt-dir", ck]

@@ -192,14 +192,14 @@ def test_te_checkpoint_has_the_local_layout_and_loads_without_te(cpu_te, megatro
     """Our TE spec saves every norm under the local spec's key, so a model built without TE loads
     a TE-written checkpoint; megatron-core's TE spec as is would save pre_mlp_layernorm apart."""
     from aoe_megatron.models.gpt import build_gpt_model
-    from aoe_megatron.train.checkpoint import load_model_weights
+    from aoe_megatron.checkpoint.model import load_weights
 
     cfg, te_model = _te_model("aoe", stock=False, monkeypatch=monkeypatch)
     _save(te_model, cfg, tmp_path / "step_00000001", tmp_path / "data.yaml")
     local = build_gpt_model(cfg, _tiny("aoe")[1], use_te=False)
     te_saved, local_saved = _saved_names(te_model), _saved_names(local)
     assert te_saved.keys() == local_saved.keys(), sorted(te_saved.keys() ^ local_saved.keys())
-    load_model_weights(tmp_path / "step_00000001", local)
+    load_weights(tmp_path / "step_00000001", local)
     for name, value in _saved_names(local).items():
         torch.testing.assert_close(value, te_saved[name], rtol=0, atol=0, msg=name)
 

@@ -98,13 +98,16 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_p
         assert tag in tags, (tag, sorted(tags))
     record = json.loads((tiny_reference_run["run"] / "run.json").read_text())
     assert record["world_size"] == 2 and "megatron_core" in record["versions"]
+    assert record["selection_stats"] == "every training micro-batch since the previous logging step"
     config = json.loads((tiny_reference_run["run"] / "config.json").read_text())
     assert config["model"]["arch"] == "aoe" and config["train"]["expert_parallel_size"] == 2
 
 
 def _crash_during_save(rank, world_size, ckpt_dir):
     from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
-    from aoe_megatron.runtime import hashing, integrity
+    from aoe_megatron.checkpoint import integrity
+    from aoe_megatron.checkpoint.layout import latest_checkpoint
+    from aoe_megatron.runtime import hashing
     from aoe_megatron.train import checkpoint as ckpt
     from aoe_megatron.train.checkpoint_save import save_checkpoint
     from aoe_megatron.train.engine import build_engine
@@ -148,7 +151,7 @@ def _crash_during_save(rank, world_size, ckpt_dir):
     finally:
         ckpt.optim_state.sharded_optimizer_state = original
     torch.distributed.barrier()
-    assert ckpt.latest_checkpoint(ckpt_dir) == good
+    assert latest_checkpoint(ckpt_dir) == good
     assert not list(Path(ckpt_dir).glob("*.partial-*"))
     ckpt.load_checkpoint(good, engine=engine, model=model, scheduler=sched, layout=layout)
     for n, p in model.named_parameters():

@@ -68,10 +68,12 @@ def _model_flops(model, tokens: int) -> int:
 
 def _copy_checkpoint(ckpt: Path, step: int, into: Path) -> None:
     """``into`` holding only ``ckpt``'s checkpoint of ``step`` (what a resume from it loads)."""
-    name = f"step_{step:08d}"
+    from aoe_megatron.checkpoint.layout import LATEST, step_name, write_pointer
+
+    name = step_name(step)
     shutil.rmtree(into, ignore_errors=True)
     shutil.copytree(ckpt / name, into / name)
-    (into / "latest").write_text(name + "\n")
+    write_pointer(into, LATEST, name)
 
 
 def _write(out: Path, results: dict) -> None:

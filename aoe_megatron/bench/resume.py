@@ -30,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from aoe_megatron.runtime import launch
-from aoe_megatron.runtime.integrity import STAMPS
+from aoe_megatron.checkpoint.integrity import STAMPS
 
 # hidden 1024, 8 experts of ffn 2048 in 2 layers: ~2.3 GB with Adam's moments and the fp32 copy
 LARGE = ["num_layers=2", "hidden_size=1024", "num_attention_heads=8", "ffn_hidden_size=2048",

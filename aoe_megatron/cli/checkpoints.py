@@ -11,7 +11,6 @@ exits 1 if any checkpoint fails, 2 on bad input. The trainer does the same check
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,9 +24,9 @@ class BadPath(ValueError):
 
 
 def _targets(path: Path) -> list:
-    from aoe_megatron.train.checkpoint import checkpoints
+    from aoe_megatron.checkpoint.layout import checkpoints, is_checkpoint, manifest_path
 
-    if (path / "state.json").is_file() or (path / "manifest.json").is_file():
+    if is_checkpoint(path) or manifest_path(path).is_file():
         return [path]
     found = checkpoints(path)
     if not found:
@@ -36,17 +35,17 @@ def _targets(path: Path) -> list:
 
 
 def _list(root: Path) -> int:
-    from aoe_megatron.train.checkpoint import LATEST, VERIFIED, _pointer
+    from aoe_megatron.checkpoint.layout import LATEST, STATE, VERIFIED, read_pointer, read_state
 
-    marks = {_pointer(root, LATEST): "latest", _pointer(root, VERIFIED): "last verified"}
+    marks = {read_pointer(root, LATEST): LATEST, read_pointer(root, VERIFIED): "last verified"}
     for path in _targets(root):
         try:
-            state = json.loads((path / "state.json").read_text())
+            state = read_state(path)
             layout = state.get("layout", {})
             desc = (f"step {state.get('step')}, world {layout.get('world_size')}, EP "
                     f"{layout.get('expert_parallel_size')}, ZeRO-{layout.get('zero_stage')}")
         except (OSError, ValueError) as err:
-            desc = f"unreadable state.json ({type(err).__name__})"
+            desc = f"unreadable {STATE} ({type(err).__name__})"
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) / 2**20
         labels = [label for name, label in marks.items() if name is not None and name == path.name]
         print(f"{path.name}  {desc}  {size:,.1f} MiB" + (f"  [{', '.join(labels)}]" if labels else ""))
@@ -54,7 +53,7 @@ def _list(root: Path) -> int:
 
 
 def _verify(root: Path) -> int:
-    from aoe_megatron.runtime.integrity import verify
+    from aoe_megatron.checkpoint.integrity import verify
 
     failed = 0
     for path in _targets(root):

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)  # before any import of torch: --help answers at once
     from aoe_megatron.hf.checkpoint_io import ConversionError
     from aoe_megatron.hf.convert import export_to_hf
-    from aoe_megatron.runtime.integrity import CheckpointDamaged
+    from aoe_megatron.checkpoint.integrity import CheckpointDamaged
 
     try:
         export_to_hf(args.checkpoint, args.output, data=args.data, manifest=args.manifest,

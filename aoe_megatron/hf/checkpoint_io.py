@@ -21,6 +21,8 @@ from typing import Iterable, Optional
 
 import torch
 
+from aoe_megatron.checkpoint import layout
+
 
 class ConversionError(RuntimeError):
     """A conversion input is unusable; the message names the file and what to do."""
@@ -50,19 +52,15 @@ def staged_output(out: Path, overwrite: bool):
 
 def resolve_checkpoint(path) -> Path:
     """A checkpoint directory (``step_N``), or a ``--ckpt-dir`` whose ``latest`` names one."""
-    path = Path(path)
-    if not path.exists():
-        raise ConversionError(f"checkpoint {path} does not exist")
-    if (path / "latest").is_file() and not (path / "state.json").exists():
-        target = path / (path / "latest").read_text().strip()
-        if not target.is_dir():
-            raise ConversionError(f"{path / 'latest'} names {target}, which does not exist")
-        path = target
-    for needed in ("state.json", "model/.metadata"):
-        if not (path / needed).is_file():
+    try:
+        path = layout.resolve(path)
+    except layout.CheckpointNotFound as err:
+        raise ConversionError(str(err)) from None
+    for needed in (layout.state_path(path), path / "model" / ".metadata"):
+        if not needed.is_file():
             raise ConversionError(
-                f"{path / needed} is missing: {path} is not a complete aoe-megatron checkpoint "
-                f"(pass a step_N directory, or the --ckpt-dir holding `latest`)"
+                f"{needed} is missing: {path} is not a complete aoe-megatron checkpoint "
+                f"(pass a step_N directory, or the --ckpt-dir holding `{layout.LATEST}`)"
             )
     return path
 
@@ -116,7 +114,7 @@ class CheckpointReader:
         from torch.distributed.checkpoint import FileSystemReader
 
         self.path = resolve_checkpoint(path)
-        self.state = json.loads((self.path / "state.json").read_text())
+        self.state = layout.read_state(self.path)
         model_dir = self.path / "model"
         self._reader = FileSystemReader(str(model_dir))
         self.metadata = self._reader.read_metadata()

@@ -14,10 +14,10 @@ from typing import Callable
 
 import torch
 
+from aoe_megatron.checkpoint import integrity, layout
 from aoe_megatron.hf.checkpoint_io import ConversionError, staged_output
 from aoe_megatron.hf.mapping import links as all_links
 from aoe_megatron.hf.mapping import model_config
-from aoe_megatron.runtime import integrity
 
 
 def hf_model_config(config: dict):
@@ -131,7 +131,7 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
             if unused:
                 raise ConversionError(f"{folder} holds tensors the model does not use: {unused[:5]}")
             step = (config.get("aoe_megatron") or {}).get("step") or 0
-            step_dir = tmp / f"step_{step:08d}"
+            step_dir = tmp / layout.step_name(step)
             (step_dir / "model").mkdir(parents=True)
             dist_checkpointing.save(model.sharded_state_dict(), str(step_dir / "model"))
         finally:
@@ -142,7 +142,7 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
                  "layout": {"world_size": 1, "expert_parallel_size": 1, "zero_stage": None},
                  "config": {"model": asdict(cfg), "train": {"imported_from": str(folder.resolve())}},
                  "weights_only": True}
-        (step_dir / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+        layout.state_path(step_dir).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
         integrity.write_manifest(step_dir)  # last, as a training checkpoint's: its readers verify
     if log:
         log(f"wrote {out / step_dir.name}: continue pretraining with --load-weights {out / step_dir.name}")

@@ -17,11 +17,12 @@ from typing import Callable, Optional
 
 import torch
 
+from aoe_megatron.checkpoint import integrity
+from aoe_megatron.checkpoint.layout import STATE
 from aoe_megatron.hf.checkpoint_io import (CheckpointReader, ConversionError, SafetensorsWriter,
                                            resolve_checkpoint, staged_output)
 from aoe_megatron.hf.mapping import links as all_links
 from aoe_megatron.hf.mapping import model_config
-from aoe_megatron.runtime import integrity
 
 HF_DIR = Path(__file__).resolve().parent
 REMOTE_CODE = ("configuration_aoe.py", "modeling_aoe.py")
@@ -84,14 +85,14 @@ def data_manifest(state: dict, *, data=None, manifest=None) -> dict:
         try:
             return check_manifests(DataConfig.load(recorded["data"]).prefixes)
         except (FileNotFoundError, ValueError) as exc:
-            raise ConversionError(f"the training data recorded in state.json: {exc}; pass --data "
+            raise ConversionError(f"the training data recorded in {STATE}: {exc}; pass --data "
                                   f"DATA.yaml or --manifest PREFIX.manifest.json") from None
     data = data or (recorded.get("train", {}) or {}).get("data")
     if isinstance(data, (list, tuple)):  # --data-path as given (a one-item list: a YAML)
         data = data[0] if len(data) == 1 else None
     if not data or not Path(data).is_file():
         raise ConversionError(
-            f"the training data config {data!r} recorded in state.json is not found from "
+            f"the training data config {data!r} recorded in {STATE} is not found from "
             f"{os.getcwd()}: pass --data DATA.yaml (the --data of the training run) or --manifest "
             f"PREFIX.manifest.json; the tokenizer and its BOS policy are read from there"
         )
@@ -140,15 +141,15 @@ def _check_layout(reader: CheckpointReader, cfg) -> None:
     if key not in shapes:
         raise ConversionError(
             f"{reader.path / 'model'} has no {key!r}: it is not a {cfg.arch} checkpoint as its "
-            f"state.json says"
+            f"{STATE} says"
         )
     if shapes[key][:2] != (cfg.num_layers, cfg.num_experts):
         raise ConversionError(
-            f"{reader.path}: {key} holds {shapes[key][:2]} (layers, experts) but state.json's "
+            f"{reader.path}: {key} holds {shapes[key][:2]} (layers, experts) but {STATE}'s "
             f"config says ({cfg.num_layers}, {cfg.num_experts})"
         )
     if cfg.num_experts % ep:
-        raise ConversionError(f"{reader.path}/state.json: expert_parallel_size={ep} does not divide "
+        raise ConversionError(f"{reader.path / STATE}: expert_parallel_size={ep} does not divide "
                               f"num_experts={cfg.num_experts}")
     per_rank = cfg.num_experts // ep
     for chunk in reader.metadata.state_dict_metadata[key].chunks:
@@ -157,7 +158,7 @@ def _check_layout(reader: CheckpointReader, cfg) -> None:
             raise ConversionError(
                 f"{reader.path}: a shard of {key} holds experts {first}..{first + count - 1}, which "
                 f"no rank of the recorded layout (expert_parallel_size={ep}, {per_rank} experts per "
-                f"rank) wrote: state.json and the shard files come from different runs; convert "
+                f"rank) wrote: {STATE} and the shard files come from different runs; convert "
                 f"the checkpoint directory as training wrote it"
             )
 
@@ -229,7 +230,7 @@ def _check_against_hf_model(config, entries, source: Path) -> None:
         raise ConversionError(
             f"{source}: tensor {k} would be written with shape {got.get(k)} but the model described "
             f"by the checkpoint's config needs {expected.get(k)} ({len(wrong)} such tensors): "
-            f"state.json's model config does not match the saved weights"
+            f"{STATE}'s model config does not match the saved weights"
         )
 
 

@@ -20,6 +20,7 @@ from aoe_megatron.moe import ops
 from aoe_megatron.moe.config import AoEConfig
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.moe.selection import select_experts
+from aoe_megatron.moe.selection_stats import SelectionStats
 from aoe_megatron.runtime.versions import refuse_mtp
 
 
@@ -36,7 +37,7 @@ def keep_float32(module, names) -> None:
 class SelectionRouter(MegatronModule):
     """Scores [T, E] -> a registered selection strategy -> (probs, routing_map), with L_aux (Eq. 6
     for AoE, Eq. 2 for MoE: the same formula), the Ent_conf regularizer, Switch jitter and the
-    selection statistics of the last forward. ``settings`` has num_experts, top_k, selection,
+    selection statistics since the last logged step (``selection_stats``). ``settings`` has num_experts, top_k, selection,
     selection_options, alpha_aux, ent_conf_coeff and input_jitter (an AoEConfig, for one)."""
 
     def __init__(self, config, settings) -> None:
@@ -44,11 +45,8 @@ class SelectionRouter(MegatronModule):
         self.settings = settings
         self.layer_number: Optional[int] = None
         e = settings.num_experts
-        # Selection statistics of the last forward (for logging and analysis), never saved.
-        self.register_buffer("last_aux_loss", torch.zeros(()), persistent=False)
-        self.register_buffer("last_load", torch.zeros(e), persistent=False)
-        self.register_buffer("last_ent_conf", torch.zeros(()), persistent=False)
-        self.register_buffer("last_mean_norm", torch.zeros(e), persistent=False)
+        # Selection statistics since the last logged step (running fp32 sums), never saved.
+        self.selection_stats = SelectionStats(e)
 
     def set_layer_number(self, layer_number: int) -> None:
         self.layer_number = layer_number
@@ -80,17 +78,14 @@ class SelectionRouter(MegatronModule):
         if bias_E is not None and self.training and torch.is_grad_enabled():
             with torch.no_grad():  # the step's load, for the bias update (train.balance)
                 self.local_tokens_per_expert += routing_kept.sum(0).to(torch.float32)
-        with torch.no_grad():
-            self.last_load.copy_(ops.load_fractions(routing_kept).to(self.last_load.dtype))
-            self.last_ent_conf.copy_(ops.confidence_entropy(probs_kept.detach()))
-            kept = scores_TE if valid_T is None else scores_TE[valid_T]
-            self.last_mean_norm.copy_(kept.detach().float().mean(0))
+        self.selection_stats.add(routing_kept, probs_kept,
+                                 scores_TE if valid_T is None else scores_TE[valid_T])
         if not (self.training and torch.is_grad_enabled()):
             return probs_TE, sel.routing_map_TE
         if s.alpha_aux > 0:
             aux = ops.load_balancing_loss(routing_map_TE=routing_kept, scores_TE=probs_kept,
                                           alpha=s.alpha_aux)
-            self.last_aux_loss.copy_(aux.detach())
+            self.selection_stats.add_aux(aux)
             probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, aux)
             loss_tracker.record("load_balancing_loss", aux.detach() / s.alpha_aux,
                                        self.layer_number, self.config.num_layers)

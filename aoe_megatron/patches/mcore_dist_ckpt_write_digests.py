@@ -9,7 +9,7 @@ same bytes reach the same file, through the same buffered file object.
 Why: a checkpoint's manifest needs the sha256 of every file, and reading back the data files
 (about 10 GB at 732M parameters, 56 GB at 4B) doubled the I/O of the save that must fit in the
 stop window after Slurm's SIGTERM. The writers are forked processes in 0.16.1 and threads in
-0.19.2, so the digest travels through a file, which ``runtime.integrity.hash_files`` takes in
+0.19.2, so the digest travels through a file, which ``checkpoint.integrity.hash_files`` takes in
 place of a re-read and removes. Without the patch (or with ``use_msc``, which opens its files
 elsewhere) there are no records and the manifest hashes the files as before.
 """

@@ -1,5 +1,5 @@
 """sha256 of files, read back or taken as they are written: the one hashing code of checkpoint
-manifests (``runtime/integrity.py``) and corpus manifests (``data/integrity.py``).
+manifests (``checkpoint/integrity.py``) and corpus manifests (``data/integrity.py``).
 
 ``HashingWriter`` hashes what goes through a binary file's ``write``, so a file needs no second
 read to be hashed. Given a path to record to (``open_recorded``), it leaves a digest record next to

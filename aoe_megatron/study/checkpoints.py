@@ -1,10 +1,9 @@
 """Checkpoints and held-out tokens for the study's tools (the norm probe, the evaluation): find and
-verify a checkpoint, load its model on one rank at EP=1, read validation windows from a data
-config."""
+verify a checkpoint (its model: ``aoe_megatron.checkpoint.model.load_model``), a one-rank
+megatron world, validation windows from a data config."""
 
 from __future__ import annotations
 
-import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,52 +11,31 @@ from typing import Optional
 
 import torch
 
+from aoe_megatron.checkpoint import layout
+
 
 class StudyInputError(ValueError):
     """Bad input to the study's tools (their command lines exit with 2)."""
 
 
 def resolve_checkpoint(path) -> Path:
-    """A checkpoint directory (has state.json), or a ckpt dir (its latest)."""
-    from aoe_megatron.train.checkpoint import latest_checkpoint
-
-    path = Path(path)
-    if (path / "state.json").is_file():
-        return path
-    if not path.is_dir():
-        raise StudyInputError(f"{path} does not exist")
+    """A checkpoint (a step folder), or a checkpoint folder (the one its ``latest`` names)."""
     try:
-        latest = latest_checkpoint(path)
-    except FileNotFoundError as exc:
-        raise StudyInputError(str(exc)) from None
-    if latest is None:
-        raise StudyInputError(f"{path} is not a checkpoint (no state.json) nor a checkpoint "
-                              f"directory (no 'latest' file)")
-    return latest
+        return layout.resolve(path)
+    except layout.CheckpointNotFound as err:
+        raise StudyInputError(str(err)) from None
 
 
 def open_checkpoint(path, *, what: str, verify: bool = True) -> tuple:
     """(step_dir, state) of a checkpoint or ckpt dir (its latest), verified before anything of it
     is read: ``integrity.CheckpointDamaged`` (a ValueError: the tools exit 2) names each damaged
     file; ``verify=False`` (--no-verify) reads it unchecked, with a warning on stderr."""
-    from aoe_megatron.runtime.integrity import require_verified
+    from aoe_megatron.checkpoint.integrity import require_verified
 
     step_dir = resolve_checkpoint(path)
     require_verified(step_dir, verify=verify, what=what,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    return step_dir, json.loads((step_dir / "state.json").read_text())
-
-
-def load_model(step_dir: Path, cfg, *, device=None, dtype: str = "fp32"):
-    """The model of ``step_dir`` (opened with ``open_checkpoint``: this does not verify)."""
-    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
-    from aoe_megatron.train.checkpoint import load_model_weights
-
-    extra = {"bf16": True, "params_dtype": torch.bfloat16} if dtype == "bf16" else {}
-    model = build_gpt_model(cfg, transformer_config(cfg, perform_initialization=False, **extra))
-    load_model_weights(step_dir, model)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return model.to(device).eval()
+    return step_dir, layout.read_state(step_dir)
 
 
 @contextmanager

@@ -21,26 +21,26 @@ from pathlib import Path
 
 import torch
 
+from aoe_megatron.checkpoint.model import load_model
 from aoe_megatron.study import checkpoints
 
 DEFAULT_EVAL = {"sequences": 256, "batch_size": 8, "seed": 0}
 
 
-def load_model(ckpt, *, verify: bool = True) -> tuple:
+def open_model(ckpt, *, verify: bool = True) -> tuple:
     """(model, state) from a checkpoint (or a ckpt dir: its latest), verified first unless not
     ``verify`` (``checkpoints.open_checkpoint``), at EP=1 on this process, in a one-rank megatron
     world (started here if none is up)."""
     import torch.distributed as dist
 
     from aoe_megatron.runtime.distributed import free_port, init_megatron
-    from aoe_megatron.models.gpt import ModelConfig
 
     path, state = checkpoints.open_checkpoint(ckpt, what="the evaluation", verify=verify)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         init_megatron(rank=0, world_size=1, expert_parallel_size=1, seed=0)
-    model = checkpoints.load_model(path, ModelConfig.from_dict(state["config"]["model"]))
+    model = load_model(path)  # the settings its state record holds
     state["path"] = str(path)
     return model, state
 
@@ -56,9 +56,11 @@ def per_token_losses(model, windows: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def heldout_metrics(model, windows: torch.Tensor, *, batch_size: int, arch: str) -> dict:
     """Mean loss and perplexity, and per-layer selection statistics averaged over batches."""
-    from aoe_megatron.train.metrics import attach_stock_router_stats, selection_stats
+    from aoe_megatron.train.metrics import (attach_stock_router_stats, reset_selection_stats,
+                                            selection_stats)
 
     stock = attach_stock_router_stats(model) if arch == "moe" else []
+    reset_selection_stats(model, stock)  # each batch's figures are its own (read, then reset)
     total, count, layers, batches = 0.0, 0, {}, 0
     for start in range(0, windows.shape[0], batch_size):
         losses = per_token_losses(model, windows[start:start + batch_size])
@@ -84,7 +86,7 @@ def _earlier_checkpoints(ckpt, latest: dict, windows, *, batch_size: int, arch: 
     """{step: held-out metrics} of every kept checkpoint of ``ckpt``'s folder before ``latest``
     (the model of each loaded into one model object; each verified first unless not ``verify``)."""
     from aoe_megatron.models.gpt import ModelConfig
-    from aoe_megatron.train.checkpoint import checkpoints as kept
+    from aoe_megatron.checkpoint.layout import checkpoints as kept
 
     folder = Path(latest["path"]).parent
     cfg = ModelConfig.from_dict(latest["config"]["model"])
@@ -93,7 +95,7 @@ def _earlier_checkpoints(ckpt, latest: dict, windows, *, batch_size: int, arch: 
         if step_dir == Path(latest["path"]):
             continue
         path, state = checkpoints.open_checkpoint(step_dir, what="the evaluation", verify=verify)
-        model = checkpoints.load_model(path, cfg)
+        model = load_model(path, cfg)
         curve[str(state["step"])] = heldout_metrics(model, windows, batch_size=batch_size, arch=arch)
         print(f"evaluated {path}: held-out loss {curve[str(state['step'])]['loss']:.4f}", flush=True)
     return curve
@@ -103,7 +105,7 @@ def evaluate(ckpt, data: str, settings: dict, *, verify: bool = True) -> dict:
     """Held-out metrics of ``ckpt`` (a checkpoint, or a folder's latest); with
     ``evaluation.checkpoints: all`` also of every earlier checkpoint the folder keeps, as
     ``curve`` {step: metrics} (the latest included)."""
-    model, state = load_model(ckpt, verify=verify)
+    model, state = open_model(ckpt, verify=verify)
     cfg = state["config"]["model"]
     ev = {**DEFAULT_EVAL, **(settings.get("evaluation") or {})}
     windows = checkpoints.heldout_windows(data, seq_length=cfg["seq_length"],

@@ -210,7 +210,7 @@ def estimate_seconds(study: Study, out: Path, plan: Plan, run: PlannedRun) -> fl
 
 
 def _last_step(ckpt: Path) -> int:
-    from aoe_megatron.train.checkpoint import checkpoints
+    from aoe_megatron.checkpoint.layout import checkpoints
 
     kept = checkpoints(ckpt)
     return int(kept[-1].name.split("_")[-1]) if kept else 0

@@ -25,10 +25,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from aoe_megatron.checkpoint.layout import state_path
+from aoe_megatron.checkpoint.model import load_model
 from aoe_megatron.study.checkpoints import (  # noqa: F401 (the probe's public helpers)
     StudyInputError as ProbeError,
     heldout_windows,
-    load_model,
     megatron_world,
     open_checkpoint,
     resolve_checkpoint,
@@ -242,7 +243,7 @@ def probe_step(step_dir, state: dict, windows: torch.Tensor, *, batch_size: int 
     one entry per layer (see ``layer_metrics``)."""
     step_dir = Path(step_dir)
     if "model" not in (state.get("config") or {}):
-        raise ProbeError(f"{step_dir}/state.json records no model configuration")
+        raise ProbeError(f"{state_path(step_dir)} records no model configuration")
     cfg = probe_config(state["config"]["model"], where=str(step_dir))
     windows = torch.as_tensor(windows).long()
     if windows.ndim != 2 or windows.shape[1] < 2 or windows.shape[1] - 1 > cfg.seq_length:

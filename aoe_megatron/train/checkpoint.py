@@ -20,9 +20,6 @@ The save itself is ``train/checkpoint_save.py``; this module resumes, loads and 
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,50 +27,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from aoe_megatron.runtime import integrity
+from aoe_megatron.checkpoint import integrity
+from aoe_megatron.checkpoint.layout import (FORMAT, LATEST, VERIFIED, checkpoints, read_pointer,
+                                            read_state, write_pointer)
 from aoe_megatron.train import optim_state
 from aoe_megatron.train.host_memory import PeakHostMemory
-from aoe_megatron.train.resume_checks import ResumeError, check_config, check_release, check_schedule
-
-LATEST = "latest"
-VERIFIED = "last_verified"
-FORMAT = 2
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-def _name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def checkpoints(ckpt_dir) -> list:
-    """Complete (renamed) checkpoint directories, oldest first."""
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
-
-
-def _pointer(ckpt_dir, name: str) -> Optional[str]:
-    path = Path(ckpt_dir) / name
-    return path.read_text().strip() if path.is_file() else None
-
-
-def _write_pointer(ckpt_dir, name: str, target: str) -> None:
-    tmp = Path(ckpt_dir) / f"{name}.partial"
-    tmp.write_text(target + "\n")
-    os.replace(tmp, Path(ckpt_dir) / name)
-
-
-def latest_checkpoint(ckpt_dir) -> Optional[Path]:
-    target = _pointer(ckpt_dir, LATEST)
-    if target is None:
-        return None
-    path = Path(ckpt_dir) / target
-    if not (path / "state.json").is_file():
-        raise FileNotFoundError(f"{Path(ckpt_dir) / LATEST} names {path}, which is not a complete "
-                                f"checkpoint")
-    return path
-
+from aoe_megatron.checkpoint.model import check_release
+from aoe_megatron.train.resume_checks import ResumeError, check_config, check_schedule
 
 def start_writer() -> None:
     """Start megatron-core's checkpoint-writer helper now, deaf to the stop signals.
@@ -115,7 +75,7 @@ def apply_retention(ckpt_dir, keep_last: int, log: Callable = print) -> list:
     """Delete all but the ``keep_last`` newest checkpoints, never the one ``latest`` names nor
     ``last_verified``; also leftovers of interrupted saves. Returns what was deleted."""
     root = Path(ckpt_dir)
-    protect = {_pointer(root, LATEST), _pointer(root, VERIFIED)}
+    protect = {read_pointer(root, LATEST), read_pointer(root, VERIFIED)}
     doomed = [p for p in checkpoints(root)[:-keep_last] if p.name not in protect]
     doomed += [p for p in root.glob("step_*.partial-*") if p.is_dir()]
     for path in doomed:
@@ -128,7 +88,7 @@ def apply_retention(ckpt_dir, keep_last: int, log: Callable = print) -> list:
 def _candidates(ckpt_dir, log: Callable) -> list:
     """Checkpoints to try, best first: the one ``latest`` names, then older ones, newest first."""
     complete = checkpoints(ckpt_dir)
-    target = _pointer(ckpt_dir, LATEST)
+    target = read_pointer(ckpt_dir, LATEST)
     if target is None:
         if complete:
             log(f"{ckpt_dir} has checkpoints but no '{LATEST}' file: trying the newest first")
@@ -180,9 +140,9 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
         if tried:
             say(f"falling back to {path} (newest checkpoint that verifies; skipped "
                 f"{', '.join(tried)})")
-        state = json.loads((path / "state.json").read_text())
+        state = read_state(path)
         if rank == 0 and mark_verified and state.get("format", 1) >= FORMAT:
-            _write_pointer(ckpt_dir, VERIFIED, path.name)
+            write_pointer(ckpt_dir, VERIFIED, path.name)
         check_config(state, config, path)
         schedule, note = check_schedule(state, config, path)
         state["path"] = str(path)
@@ -208,7 +168,7 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
     from megatron.core import dist_checkpointing
 
     path = Path(path)
-    state = state or json.loads((path / "state.json").read_text())
+    state = state or read_state(path)
     if state.get("format", 1) < FORMAT:
         raise ResumeError(f"{path} was written by an older aoe-megatron (per-rank optimizer files, "
                           f"no manifest): start from its weights with --load-weights {path}")
@@ -237,16 +197,3 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
             + ("; random generators re-seeded from (seed, step, rank)"
                if state["layout"].get("world_size") != layout["world_size"] else ""))
     return state
-
-
-def load_model_weights(path, model) -> None:
-    """Model weights only, at any expert-parallel size. Does not verify ``path``: its readers do
-    first (``integrity.require_verified``), each with its own --no-verify."""
-    from megatron.core import dist_checkpointing
-
-    check_release(path)
-    loaded = dist_checkpointing.load(model.sharded_state_dict(), str(Path(path) / "model"))
-    result = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise ValueError(f"{path}: missing {missing}, unexpected {result.unexpected_keys}")

@@ -21,11 +21,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from aoe_megatron.runtime import integrity
+from aoe_megatron.checkpoint import integrity
 from aoe_megatron.runtime.versions import installed_mcore
 from aoe_megatron.train import optim_state
-from aoe_megatron.train.checkpoint import (FORMAT, LATEST, _max_over_ranks, _name, _write_pointer,
-                                           apply_retention)
+from aoe_megatron.checkpoint.layout import FORMAT, LATEST, STATE, step_name, write_pointer
+from aoe_megatron.train.checkpoint import _max_over_ranks, apply_retention
 from aoe_megatron.train.host_memory import PeakHostMemory
 
 
@@ -41,9 +41,9 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
     began = time.perf_counter()
     rank = dist.get_rank()
     root = Path(ckpt_dir)
-    final = root / _name(step)
+    final = root / step_name(step)
     # Every rank uses rank 0's temporary name.
-    tmp_name = [f"{_name(step)}.partial-{socket.gethostname()}-{os.getpid()}" if rank == 0 else None]
+    tmp_name = [f"{step_name(step)}.partial-{socket.gethostname()}-{os.getpid()}" if rank == 0 else None]
     dist.broadcast_object_list(tmp_name, src=0)
     tmp = root / tmp_name[0]
     if rank == 0:
@@ -73,7 +73,7 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
                      **(extra or {})}
             if (in_force := optim_state.schedule_in_force(scheduler)) is not None:
                 state["schedule"] = in_force.record()  # what a resume compares its own with
-            written = {"state.json": (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()}
+            written = {STATE: (json.dumps(state, indent=2, sort_keys=True) + "\n").encode()}
         integrity.write_manifest(tmp, files=files, written=written)
         if stats is not None:
             stats["save"] = save
@@ -86,7 +86,7 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _write_pointer(root, LATEST, final.name)
+        write_pointer(root, LATEST, final.name)
         if keep_last:
             apply_retention(root, keep_last)
     dist.barrier()

@@ -6,7 +6,3 @@ class TrainingHalted(RuntimeError):
     """The run stops on purpose and must not simply be restarted: ``main`` prints the message,
     writes ``halted.json`` in the run directory and exits non-zero."""
 
-
-class CheckpointDamaged(TrainingHalted):
-    """``--load-weights`` names a checkpoint that fails verification (the train command's form of
-    ``runtime.integrity.CheckpointDamaged``: exit 3, as restarting would meet the same files)."""

@@ -134,7 +134,7 @@ class NonFinitePolicy:
     def _last_good(self) -> str:
         if not self.ckpt_dir:
             return "No checkpoint is written without --save (or --ckpt-dir)."
-        from aoe_megatron.train.checkpoint import latest_checkpoint
+        from aoe_megatron.checkpoint.layout import latest_checkpoint
 
         try:
             latest = latest_checkpoint(self.ckpt_dir)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from aoe_megatron.checkpoint.errors import CheckpointError
 from aoe_megatron.runtime import signals
 from aoe_megatron.runtime.distributed import reduce_across_ranks
 from aoe_megatron.runtime.launch import SUMMARY_VAR
@@ -23,6 +24,7 @@ from aoe_megatron.train import console
 from aoe_megatron.train.config import TrainConfig, adopt_slurm_env
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record
+from aoe_megatron.train.metrics import Reporter, reset_selection_stats, selection_stats
 from aoe_megatron.train.run import Run, parse_run, resolve
 from aoe_megatron.train.run_dir import open_run_dir, resolve_run_dir
 from aoe_megatron.train.run_record import record_run, start_lines
@@ -60,8 +62,6 @@ class EndOfStep:
 
     def __call__(self, result: StepResult) -> bool:
         """True: the run ends after this step (finished, or stopped by a signal)."""
-        from aoe_megatron.train.metrics import selection_stats
-
         parts, cfg, step = self.parts, self.cfg, result.step
         self.losses[step] = result.loss
         verdict = parts.nonfinite.check(step, loss=result.loss, grad_norm=result.grad_norm,
@@ -106,6 +106,7 @@ class EndOfStep:
             total = sum(lm_loss(parts.engine, parts.batches.valid_batch(i)).detach().float()
                         for i in range(cfg.eval_iters))
         parts.model.train()
+        reset_selection_stats(parts.model, parts.stock_stats)  # the next log covers training only
         value = reduce_across_ranks(total, op="mean").item() / cfg.eval_iters
         self.reporter.scalar("valid/loss", value, step)
         self._say(f"step {step:>7}/{self.run.steps}  validation loss {value:.4f}")
@@ -142,7 +143,6 @@ def train(run) -> dict:
 
 
 def _train(run, stop) -> dict:
-    from aoe_megatron.train.metrics import Reporter
     from aoe_megatron.train.wandb_sink import WandbSink
 
     console.set_up()
@@ -251,7 +251,8 @@ def _main(argv=None) -> int:
     except DataCacheError as err:  # the same on a restart: a setting or filesystem to fix
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2
-    except TrainingHalted as err:  # non-finite step, changed data, no resumable checkpoint
+    except (TrainingHalted, CheckpointError) as err:  # non-finite step, changed data, no
+        # resumable checkpoint; --load-weights damaged or saved by a later megatron-core
         if rank0:
             print(f"error: {err}", file=sys.stderr, flush=True)
             write_halt_record(run.cfg.run_dir, err)

@@ -8,8 +8,9 @@ metrics.jsonl lines: ``{"kind": "train", "step", "loss", "lr", "grad_norm", "aux
 consumed by the end of the step, step x global batch x sequence length; ``skipped``: the run's
 non-finite steps skipped so far). Logging steps (``--log-interval``) add ``"ms_per_step"``,
 ``"tokens_per_s"`` (both over the steps since the last logging step) and ``"memory_bytes"`` (the
-GPU's peak allocated memory, or the host resident size: ``memory``), and fill ``layers`` (its
-all-reduce is skipped on the others, where it is empty). With an expert bias also
+GPU's peak allocated memory, or the host resident size: ``memory``), and fill ``layers`` (over the
+tokens of every training micro-batch since the last logging step, summed as they pass:
+``moe/selection_stats.py``; its all-reduce is skipped on the others, where it is empty). With an expert bias also
 ``"bias_tokens"``: each biased router's selections counted in the step, over all ranks, on logging
 steps. Evaluations add ``{"kind": "valid", "step", "loss"}``.
 A step with a non-finite loss or gradient norm has ``{"kind": "nonfinite", "step", "action":
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from aoe_megatron.moe import ops
+from aoe_megatron.moe.selection_stats import SelectionStats
 from aoe_megatron.train import console as _console
 
 
@@ -39,54 +40,68 @@ def _number(value):
 
 
 class StockRouterStats:
-    """The same statistics for megatron-core's TopKRouter (the MoE baseline), from a forward hook:
-    load fractions from the routing map, Ent_conf from the softmax over all router logits (Eq. 8),
-    and the mean router logit per expert in place of AoE's activation norm."""
+    """The same statistics for megatron-core's TopKRouter (the MoE baseline): load fractions from
+    its routing map, Ent_conf from the softmax over all its logits (Eq. 8) and the mean logit per
+    expert in place of AoE's activation norm. The logits are the ones the router computes: its
+    ``routing(logits, ...)`` is wrapped on this instance (no second gating matmul; upstream's code
+    is unchanged). Attaching twice reuses the first (``attach_stock_router_stats``)."""
 
     def __init__(self, router):
         self.router = router
-        e = router.config.num_moe_experts
-        self.last_load = torch.zeros(e)
-        self.last_mean_norm = torch.zeros(e)
-        self.last_ent_conf = torch.zeros(())
-        self.last_aux_loss = torch.zeros(())
-        self.layer_number = router.layer_number
-        self.num_experts = e
-        router.register_forward_hook(self._hook)
+        self.num_experts = router.config.num_moe_experts
+        self.selection_stats = SelectionStats(self.num_experts)
+        upstream = router.routing
 
-    @torch.no_grad()
-    def _hook(self, module, inputs, output):
-        _, routing_map = output
-        x = inputs[0].reshape(-1, inputs[0].shape[-1])
-        logits = module.gating(x).float()  # the router's own logits (fp32: moe_router_dtype)
-        # NOTE: kept on the router's device (no host sync per forward); selection_stats moves them
-        self.last_load = ops.load_fractions(routing_map.reshape(-1, self.num_experts)).float()
-        self.last_ent_conf = ops.confidence_entropy(torch.softmax(logits, dim=-1)).float()
-        self.last_mean_norm = logits.mean(0).float()
-        self.layer_number = module.layer_number
+        def routing(logits, *args, **kwargs):
+            probs, routing_map = upstream(logits, *args, **kwargs)
+            flat = logits.detach().reshape(-1, self.num_experts).float()
+            self.selection_stats.add(routing_map.reshape(-1, self.num_experts),
+                                     torch.softmax(flat, dim=-1), flat)
+            return probs, routing_map
+
+        router.routing = routing
+        router.aoe_stock_stats = self
+
+    @property
+    def layer_number(self):
+        return self.router.layer_number
 
 
 def attach_stock_router_stats(model) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    return [StockRouterStats(m) for m in model.modules() if isinstance(m, TopKRouter)]
+    return [getattr(m, "aoe_stock_stats", None) or StockRouterStats(m)
+            for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def _stat_sources(model, stock_stats) -> list:
+    from aoe_megatron.moe.router import SelectionRouter
+
+    return [m for m in model.modules() if isinstance(m, SelectionRouter)] or list(stock_stats)
+
+
+def reset_selection_stats(model, stock_stats=()) -> None:
+    """Forget the selection statistics gathered so far (after an evaluation's forwards, say)."""
+    for source in _stat_sources(model, stock_stats):
+        source.selection_stats.reset()
 
 
 def selection_stats(model, stock_stats=()) -> dict:
-    """Per MoE layer, averaged over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load,
-    Ent_conf (Eq. 8), each expert's mean activation norm (AoE; the paper's Figure 4) or mean
-    router logit (stock MoE), and L_aux (AoE)."""
+    """Per MoE layer, over the tokens of every forward since the last call (then reset), averaged
+    over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load, Ent_conf (Eq. 8), each
+    expert's mean activation norm (AoE; the paper's Figure 4) or mean router logit (stock MoE),
+    and L_aux (the mean over training micro-batches). Collective: every rank calls it."""
     from aoe_megatron.runtime.distributed import comm_device, reduce_across_ranks
-    from aoe_megatron.moe.router import SelectionRouter
 
-    routers = [m for m in model.modules() if isinstance(m, SelectionRouter)] or list(stock_stats)
+    routers = _stat_sources(model, stock_stats)
     if not routers:
         return {}
     device = comm_device()
-    packed = torch.stack([torch.cat([t.detach().float().to(device).view(-1) for t in (
-        r.last_load, r.last_mean_norm, r.last_ent_conf, r.last_aux_loss)]) for r in routers])
+    packed = torch.stack([r.selection_stats.figures().float().to(device) for r in routers])
+    for r in routers:
+        r.selection_stats.reset()
     packed = reduce_across_ranks(packed, op="mean").cpu()
-    e = routers[0].last_load.numel()
+    e = routers[0].selection_stats.num_experts
     stats = {}
     for r, row in zip(routers, packed):
         layer = r.layer_number

@@ -4,9 +4,9 @@ batch (``check_config``: must be the checkpoint's) and the learning-rate schedul
 to continue on, with ``--override-opt_param-scheduler`` or
 ``--use-checkpoint-opt_param-scheduler``).
 
-Pure functions of the checkpoint's ``state.json`` and this run's record (``Run.record()``), and
-``check_release`` (can the installed megatron-core read it);
-``checkpoint.resume`` calls them.
+Pure functions of the checkpoint's state record and this run's record (``Run.record()``);
+``checkpoint.resume`` calls them (and ``aoe_megatron.checkpoint.model.check_release``: can the
+installed megatron-core read it).
 """
 
 from __future__ import annotations
@@ -112,23 +112,3 @@ def check_schedule(state: dict, config: dict, path) -> tuple:
         f"schedule (its values replace the checkpoint's); {USE_CHECKPOINT} continues on the "
         f"checkpoint's (this command's values are ignored for the schedule; the run still trains "
         f"to its own length, at the checkpoint's min-lr past the schedule's end)")
-
-
-def check_release(path) -> None:
-    """Refuse, with the way out, a checkpoint the installed megatron-core cannot read: from 0.17
-    on megatron-core keeps a distributed checkpoint's common state inside it, without the
-    ``common.pt`` that 0.16.1 reads (the other way, 0.16.1's checkpoints load under 0.19.2)."""
-    from pathlib import Path
-
-    from aoe_megatron.runtime.versions import installed_mcore, mcore_at_least
-
-    path = Path(path)
-    meta = path / "model" / "metadata.json"
-    if mcore_at_least("0.17") or not meta.is_file() or "common_backend" in json.loads(meta.read_text()):
-        return
-    state = path / "state.json"
-    saved = json.loads(state.read_text()).get("megatron_core") if state.is_file() else None
-    raise ResumeError(f"{path} was saved under megatron-core {saved or '0.17 or later'}, whose "
-                      f"checkpoints megatron-core {installed_mcore()} cannot read (no "
-                      f"model/common.pt): load it where megatron-core 0.19.2 is installed "
-                      f"(Python 3.12; docs/compatibility.md)")

@@ -138,7 +138,7 @@ def _check_settings(cfg: TrainConfig) -> None:
 def _check_checkpoint_folders(cfg: TrainConfig) -> None:
     """--save/--load as in Megatron-LM, --ckpt-dir for both; a run that would start from scratch
     in a folder of checkpoints is refused rather than write over them."""
-    from aoe_megatron.train.checkpoint import checkpoints
+    from aoe_megatron.checkpoint.layout import checkpoints
 
     if cfg.ckpt_dir and (cfg.save or cfg.load):
         raise ValueError(f"--ckpt-dir {cfg.ckpt_dir} means both --save and --load: give either "

@@ -15,6 +15,10 @@ import torch
 from aoe_megatron.train import console
 
 
+#: What metrics.jsonl's per-layer figures cover (``moe/selection_stats.py``).
+SELECTION_STATS = "every training micro-batch since the previous logging step"
+
+
 def record_run(run, run_dir: Path) -> None:
     """Write ``config.json`` and ``run.json`` of ``run`` (a ``train.run.Run``) into ``run_dir``."""
     import deepspeed
@@ -34,6 +38,9 @@ def record_run(run, run_dir: Path) -> None:
         "threads": {"torch": torch.get_num_threads(),
                     "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                     "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
+        # metrics.jsonl's "layers": what they cover (a run.json without this key: the last
+        # micro-batch before the logging step's read)
+        "selection_stats": SELECTION_STATS,
     }
     if run.cfg.mock_data:
         record["data"] = "mock: random tokens (--mock-data), not a corpus"

@@ -9,8 +9,8 @@ from typing import Any, Optional
 
 import torch
 
+from aoe_megatron.checkpoint.model import load_weights
 from aoe_megatron.train import console
-from aoe_megatron.train.errors import CheckpointDamaged
 from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.run import Run
 
@@ -104,7 +104,7 @@ def _resume_or_initialise(parts: Parts) -> int:
     """Resume from the newest verified checkpoint in ``--load`` (``--ckpt-dir``), or load
     ``--load-weights``; returns the steps already done."""
     from aoe_megatron.train import checkpoint as ckpt
-    from aoe_megatron.runtime import integrity
+    from aoe_megatron.checkpoint import integrity
     from aoe_megatron.train import datacheck
 
     run, cfg = parts.run, parts.run.cfg
@@ -134,13 +134,11 @@ def _resume_or_initialise(parts: Parts) -> int:
         parts.nonfinite.restore(state)
         return state["step"]
     if cfg.load_weights:
-        # collective; refuses a damaged checkpoint (exit 3, halted.json) before anything loads
-        try:
-            integrity.require_verified(cfg.load_weights, verify=not cfg.no_verify,
-                                       what="--load-weights", log=console.say)
-        except integrity.CheckpointDamaged as err:
-            raise CheckpointDamaged(str(err)) from err
-        ckpt.load_model_weights(cfg.load_weights, parts.model)
+        # collective; refuses a damaged checkpoint (CheckpointDamaged: exit 3, halted.json)
+        # before anything loads
+        integrity.require_verified(cfg.load_weights, verify=not cfg.no_verify,
+                                   what="--load-weights", log=console.say)
+        load_weights(cfg.load_weights, parts.model)
         parts.engine.optimizer.refresh_fp32_params()  # the optimizer's master weights follow
         _say(parts, f"initialised the model from {cfg.load_weights}")
     return 0

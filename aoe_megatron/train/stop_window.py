@@ -17,7 +17,6 @@ the seconds, the window and what to change.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -87,11 +86,11 @@ def describe(nbytes: Optional[int], seconds: float) -> str:
 def last_recorded_save(ckpt_dir) -> Optional[dict]:
     """The newest checkpoint of ``ckpt_dir`` whose state.json records its save: {"checkpoint",
     "seconds", "bytes", "step_seconds"}; None if none does (or it holds none)."""
-    from aoe_megatron.train.checkpoint import checkpoints
+    from aoe_megatron.checkpoint.layout import checkpoints, read_state
 
     for path in reversed(checkpoints(ckpt_dir) if ckpt_dir else []):
         try:
-            state = json.loads((path / "state.json").read_text())
+            state = read_state(path)
             save = state["save"]
             return {"checkpoint": path.name, "seconds": float(save["seconds"]),
                     "bytes": save.get("bytes"), "step_seconds": float(state.get("step_seconds", 0))}

@@ -30,10 +30,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional
 
+from aoe_megatron.checkpoint.errors import CheckpointDamaged
+from aoe_megatron.checkpoint.layout import MANIFEST, read_state
 from aoe_megatron.runtime.hashing import (RECORD_SUFFIX, is_record, record_path, recorded_sha256,
                                            sha256_bytes, sha256_file)
 
-MANIFEST = "manifest.json"
 FORMAT = 1
 MANIFESTS_SINCE = 2
 """The checkpoint format (``checkpoint.FORMAT``, state.json's "format") that added manifest.json."""
@@ -41,18 +42,6 @@ STAMPS = ".verified.json"
 """Per checkpoint: the stamp (size, mtime, ctime) of each file when last hashed; resume's shortcut."""
 THREADS = max(1, int(os.environ.get("AOE_VERIFY_THREADS", min(8, os.cpu_count() or 1))))
 """Files each rank hashes at once (``AOE_VERIFY_THREADS``)."""
-
-
-class CorruptCheckpoint(Exception):
-    """A checkpoint whose files do not match its manifest (or that has none)."""
-
-
-class CheckpointDamaged(ValueError):
-    """A reader refuses a checkpoint that fails verification; the message names every problem.
-
-    NOTE: a ValueError for the command-line tools (bad input: they exit 2); the train command's
-    ``--load-weights`` turns it into a ``TrainingHalted`` (exit 3, ``halted.json``: restarting
-    would meet the same files)."""
 
 
 def _files(root: Path) -> list:
@@ -166,7 +155,7 @@ def write_manifest(root, *, files: Optional[dict] = None,
 
 
 def read_checkpoint_manifest(root) -> Optional[dict]:
-    """The manifest, None if the checkpoint has none; CorruptCheckpoint if it is unreadable."""
+    """The manifest, None if the checkpoint has none; CheckpointDamaged if it is unreadable."""
     path = Path(root) / MANIFEST
     if not path.is_file():
         return None
@@ -175,7 +164,7 @@ def read_checkpoint_manifest(root) -> Optional[dict]:
         files = manifest["files"]
         assert isinstance(files, dict)
     except (ValueError, KeyError, AssertionError, UnicodeDecodeError) as err:
-        raise CorruptCheckpoint(f"{path} is unreadable ({type(err).__name__})") from err
+        raise CheckpointDamaged(f"{path} is unreadable ({type(err).__name__})") from err
     return manifest
 
 
@@ -205,7 +194,7 @@ def verify(root, *, trust_stamps: bool = False, record: bool = True,
     problems, checked = [], {}
     try:
         manifest = read_checkpoint_manifest(root)
-    except CorruptCheckpoint as err:
+    except CheckpointDamaged as err:
         manifest, problems = None, [str(err)]
     if manifest is None and not problems:
         problems = [f"{root} has no {MANIFEST} (incomplete, or written by a version without "
@@ -257,7 +246,7 @@ def _legacy(root: Path) -> bool:
     if (root / "optim_rank0.pt").is_file():
         return True
     try:
-        state = json.loads((root / "state.json").read_text())
+        state = read_state(root)
         return int(state.get("format", 1)) < MANIFESTS_SINCE
     except (OSError, ValueError, TypeError, AttributeError):
         return False
