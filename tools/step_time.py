@@ -8,7 +8,7 @@ figure is the median of its logged ``ms_per_step`` (metrics.jsonl) after the fir
 interval (warm-up); each side reports the median, min and max over its runs, and CPU-seconds per
 step (the run's own CPU time over its steps: start-up included, the same for both sides).
 
-    python tools/step_time.py --ref 080d11d --reps 3 --out bench/step_stats
+    python tools/step_time.py --ref 080d11d --this f38d0f1 --reps 3 --out bench/step_stats
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ def _summary(runs: list) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ref", required=True, help="the git revision to compare against")
+    parser.add_argument("--this", default=None,
+                        help="the revision measured against it (default: this checkout as it is)")
     parser.add_argument("--reps", type=int, default=3, help="runs per side and architecture")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--log-interval", type=int, default=5)
@@ -72,13 +74,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     started = time.time()
     work = Path(tempfile.mkdtemp(prefix="aoe-step-time-"))
-    ref_tree = work / "ref"
-    subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(ref_tree), args.ref],
-                   cwd=REPO, check=True)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                capture_output=True, text=True).stdout.strip())
+    trees = {"ref": work / "ref", "this": work / "this" if args.this else REPO}
+    for side, rev in (("ref", args.ref), ("this", args.this)):
+        if rev:
+            subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(trees[side]), rev],
+                           cwd=REPO, check=True)
+    head = subprocess.run(["git", "rev-parse", "--short", args.this or "HEAD"], cwd=REPO,
+                          capture_output=True, text=True).stdout.strip()
+    dirty = not args.this and bool(subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+        text=True).stdout.strip())
     results = {}
     try:
         for arch in args.archs.split(","):
@@ -86,7 +91,7 @@ def main(argv=None) -> int:
             for rep in range(args.reps):
                 order = ("ref", "this") if rep % 2 == 0 else ("this", "ref")
                 for side in order:
-                    run = _run(ref_tree if side == "ref" else REPO, arch, args, work)
+                    run = _run(trees[side], arch, args, work)
                     sides[side].append(run)
                     print(f"{arch} {side} rep {rep + 1}: {run['ms_per_step']:.1f} ms/step, "
                           f"{run['cpu_s_per_step']:.3f} CPU s/step", flush=True)
@@ -94,7 +99,9 @@ def main(argv=None) -> int:
             results[arch]["ratio_this_over_ref"] = (results[arch]["this"]["ms_per_step"]["median"]
                                                     / results[arch]["ref"]["ms_per_step"]["median"])
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", str(ref_tree)], cwd=REPO)
+        for side, rev in (("ref", args.ref), ("this", args.this)):
+            if rev:
+                subprocess.run(["git", "worktree", "remove", "--force", str(trees[side])], cwd=REPO)
         subprocess.run(["rm", "-rf", str(work)])
     record = {"command": " ".join(["python", "tools/step_time.py", *(argv or sys.argv[1:])]),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 
 from aoe_megatron.bench.measure import SavedTensorBytes
+from aoe_megatron.bench.model import build_model
+from aoe_megatron.moe import loss_tracker
+from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
 
 def forward_bytes(preset: str, arch: str, *, num_layers: int, micro_batch: int, device: str,
                   dtype: torch.dtype) -> dict:
     """{"allocated", "saved"}: bytes one training forward of ``arch`` at ``num_layers`` holds."""
-    from aoe_megatron.bench.model import build_model
-    from aoe_megatron.moe import loss_tracker
-
     cfg, model = build_model(preset, {"num_layers": num_layers}, arch, device=device, dtype=dtype,
                              use_te=False)
     seq = cfg.seq_length
@@ -107,7 +107,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.device == "cpu":  # before CUDA is first asked for: megatron's CPU patches need it hidden
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     init_megatron(expert_parallel_size=1)

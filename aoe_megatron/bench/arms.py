@@ -13,7 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from aoe_megatron.bench import flops as fl
+from aoe_megatron.bench.mcore_grouped import unavailable_reason
 from aoe_megatron.bench.names import ARM_FIELDS
+from aoe_megatron.moe import loss_tracker
+from aoe_megatron.moe.config import from_transformer_config
+from aoe_megatron.moe.grouped import grouped_mm_supports
+from aoe_megatron.moe.ops import d_wide_for_parity, round_to_multiple
 
 
 @dataclass(frozen=True)
@@ -27,8 +32,6 @@ class LayerShape:
 
     @property
     def d_wide(self) -> int:
-        from aoe_megatron.moe.ops import d_wide_for_parity
-
         return d_wide_for_parity(d_model=self.d_model, d_ffn=self.d_ffn, d_low=self.d_low)
 
 
@@ -94,7 +97,8 @@ def layer_transformer_config(shape: LayerShape, *, dtype: torch.dtype, device: s
 
 def build_moe(tc, *, device: str, use_te: bool):
     """megatron-core's own MoE layer, as its GPT layer spec builds it."""
-    from aoe_megatron.models.spec import build, moe_layer_spec
+    from aoe_megatron.models.spec import (  # deferred: megatron-core loads at build
+        build, moe_layer_spec)
 
     spec = moe_layer_spec(tc.num_moe_experts, use_te=use_te)
     return build(spec.submodules.mlp, config=tc, layer_number=1).to(device)
@@ -103,8 +107,7 @@ def build_moe(tc, *, device: str, use_te: bool):
 def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
     from megatron.core.transformer.spec_utils import build_module
 
-    from aoe_megatron.moe.config import from_transformer_config
-    from aoe_megatron.models.spec import aoe_mlp_spec
+    from aoe_megatron.models.spec import aoe_mlp_spec  # deferred: megatron-core loads at build
 
     aoe = from_transformer_config(tc, d_low=shape.d_low, **aoe_fields)
     layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=1)
@@ -112,8 +115,6 @@ def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
 
 
 def forward_backward(layer, x, g) -> None:
-    from aoe_megatron.moe import loss_tracker
-
     for p in layer.parameters():
         p.grad = None
     x.grad = None
@@ -125,8 +126,6 @@ def forward_backward(layer, x, g) -> None:
 def arm_d_wide(shape: LayerShape, arm: str) -> int:
     """The arm's d_wide: Eq. 5, rounded to the arm's d_wide_multiple as its d_wide_round says
     (the rounding AoEConfig applies; ``layer._build_arms`` checks the built layer against it)."""
-    from aoe_megatron.moe.ops import round_to_multiple
-
     fields = ARM_FIELDS[arm] or {}
     return round_to_multiple(shape.d_wide, multiple=fields.get("d_wide_multiple", 1),
                              mode=fields.get("d_wide_round", "up"))
@@ -148,9 +147,6 @@ def arm_skips(shape: LayerShape, *, device: str, dtype: torch.dtype,
     cannot run it, moe-grouped where megatron-core's grouped-GEMM experts cannot run
     (``mcore_grouped.unavailable_reason``), a rounded d_wide where rounding leaves Eq. 5's
     d_wide as it is."""
-    from aoe_megatron.bench.mcore_grouped import unavailable_reason
-    from aoe_megatron.moe.grouped import grouped_mm_supports
-
     skips = {}
     why = unavailable_reason(d_model=shape.d_model, d_ffn=shape.d_ffn, device=device, dtype=dtype,
                              use_te=use_te)

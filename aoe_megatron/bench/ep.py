@@ -18,8 +18,9 @@ from dataclasses import asdict, replace
 
 import torch
 
-from aoe_megatron.bench.arms import QUICK_SHAPES, SHAPES, LayerShape
-from aoe_megatron.bench.measure import ratio
+from aoe_megatron.bench.arms import (QUICK_SHAPES, SHAPES, LayerShape, build_aoe, build_moe,
+                                     forward_backward, layer_transformer_config)
+from aoe_megatron.bench.measure import ratio, summarize, timed
 from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
 from aoe_megatron.runtime.distributed import init_megatron, shutdown
 from aoe_megatron.runtime.spawn import spawn
@@ -89,8 +90,6 @@ class AllToAllBytes:
 
 
 def _build_arms(shape: LayerShape, *, device: str, dtype: torch.dtype, use_te: bool) -> dict:
-    from aoe_megatron.bench.arms import build_aoe, build_moe, layer_transformer_config
-
     tc = layer_transformer_config(shape, dtype=dtype, device=device, use_te=use_te, ep=WORLD_SIZE)
     torch.manual_seed(0)
     arms = {"moe": build_moe(tc, device=device, use_te=use_te),
@@ -103,9 +102,6 @@ def _build_arms(shape: LayerShape, *, device: str, dtype: torch.dtype, use_te: b
 def _measure(rank: int, job: dict) -> dict:
     import torch.distributed as dist
     from megatron.core.transformer.moe import token_dispatcher
-
-    from aoe_megatron.bench.arms import forward_backward
-    from aoe_megatron.bench.measure import summarize, timed
 
     device, dtype, reps = job["device"], getattr(torch, job["dtype"]), job["reps"]
     shape = LayerShape(**job["shape"])

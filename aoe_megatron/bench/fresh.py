@@ -8,16 +8,15 @@ whose first act is to set the probe up starts with no such memory.
 
 from __future__ import annotations
 
+from aoe_megatron.bench import layer, measure, model
+from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+from aoe_megatron.runtime.distributed import init_megatron, shutdown
 from aoe_megatron.runtime.spawn import spawn
 
 
 def _phase(rank: int, job: dict) -> dict:
     """The memory phase in the spawned process (runtime.spawn sets its rendezvous, world 1)."""
     import torch
-
-    from aoe_megatron.bench import layer, measure, model
-    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
-    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     if not measure.enable_cpu_peak_tracking():
         raise RuntimeError("peak memory on CPU needs Linux with glibc and a writable "

@@ -30,6 +30,7 @@ import types
 import torch
 
 from aoe_megatron.moe.grouped import GroupedMMGroups, grouped_mm_supports
+from aoe_megatron.runtime.versions import installed_mcore
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -106,8 +107,6 @@ def legacy_grouped_mlp():
 def unavailable_reason(*, d_model: int, d_ffn: int, device: str, dtype: torch.dtype,
                        use_te: bool) -> str | None:
     """Why the ``moe-grouped`` arm cannot run here, or None when it can."""
-    from aoe_megatron.runtime.versions import installed_mcore
-
     if legacy_grouped_mlp() is None:
         if use_te:
             return None  # TEGroupedMLP stands in
@@ -126,8 +125,10 @@ def build_grouped_moe(tc, *, device: str, use_te: bool):
     on a release without it), the router as the ``moe`` arm's. Build it inside ``installed()``."""
     from dataclasses import replace
 
-    from aoe_megatron.models.spec import build, moe_layer_spec, moe_submodules
-    from aoe_megatron.models.stock_router import PaperTopKRouter
+    from aoe_megatron.models.spec import (  # deferred: megatron-core loads at build
+        build, moe_layer_spec, moe_submodules)
+    from aoe_megatron.models.stock_router import (  # deferred: megatron-core loads at build
+        PaperTopKRouter)
 
     grouped_cls = legacy_grouped_mlp()
     tc = replace(tc, moe_grouped_gemm=True)
@@ -172,7 +173,8 @@ def copy_from_sequential(grouped_layer, moe_layer) -> None:
     [2F, D])^T, its fc2 ``weight2.view(L, F, D)[l]`` = (linear_fc2.weight [D, F])^T.
     ``TEGroupedMLP`` keeps one ``weight{l}`` per expert, as linear layers do.
     """
-    from aoe_megatron.models.spec import expert_weight_pairs
+    from aoe_megatron.models.spec import (  # deferred: megatron-core loads at build
+        expert_weight_pairs)
 
     grouped_layer.router.load_state_dict(moe_layer.router.state_dict())
     src = expert_weight_pairs(moe_layer.experts)

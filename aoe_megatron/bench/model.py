@@ -21,6 +21,9 @@ from aoe_megatron.bench.measure import (datasheet_peak_flops, gemm_peak_flops, p
                                          summarize, timed)
 from aoe_megatron.bench.names import (ARCHS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
                                        QUICK_MODELS)
+from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
+from aoe_megatron.models.params import count_parameters
+from aoe_megatron.moe import loss_tracker
 
 
 def default_models(*, quick: bool, device: str) -> list[str]:
@@ -42,8 +45,6 @@ def build_model(preset: str, overrides: dict, arch: str, *, device: str, dtype: 
                 use_te: bool):
     """(ModelConfig, GPTModel) of ``preset`` with ``overrides`` as ``arch`` (of ``ARCHS``), on
     ``device`` in ``dtype``, seeded (weights identical across calls)."""
-    from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
-
     base_arch, arch_overrides = ARCHS[arch]
     cfg = load_preset(preset, arch=base_arch, **_overrides(overrides, arch_overrides))
     extra = {"use_cpu_initialization": device == "cpu", "params_dtype": dtype,
@@ -57,8 +58,6 @@ def build_model(preset: str, overrides: dict, arch: str, *, device: str, dtype: 
 
 
 def _step_fn(model, opt, inputs, labels, position_ids):
-    from aoe_megatron.moe import loss_tracker
-
     def step():
         # NOTE: gradients are freed between steps (torch's default, and DeepSpeed ZeRO frees each
         # .grad once reduced): a step's peak is what it adds above parameters and optimizer
@@ -75,8 +74,6 @@ def _step_fn(model, opt, inputs, labels, position_ids):
 def matmul_params(cfg) -> int:
     """Parameters a token multiplies by: every W_down for AoE (the cache covers all experts), the
     K selected experts, attention, router, output layer; the input embedding (a lookup) excluded."""
-    from aoe_megatron.models.params import count_parameters
-
     count = count_parameters(cfg)
     return count.active_with_all_caches - count.embedding
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from aoe_megatron.runtime import resources
 from aoe_megatron.runtime.command_line import CommandParser
 
 BASELINE = "ablations/c02_moe_aux"
@@ -29,7 +30,7 @@ def describe(path: Path) -> str:
 
 def flop_weights(cfg) -> int:
     """Weights one token multiplies by, as implemented (see the module docstring)."""
-    from aoe_megatron.models.params import count_parameters
+    from aoe_megatron.models.params import count_parameters  # deferred: torch loads after --help
 
     count = count_parameters(cfg)
     if cfg.arch == "moe":
@@ -57,9 +58,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser().parse_args(argv)
-    from aoe_megatron.models.gpt import load_preset
-    from aoe_megatron.models.params import count_parameters
-    from aoe_megatron.runtime import resources
+    from aoe_megatron.models.gpt import load_preset  # deferred: torch loads after --help
+    from aoe_megatron.models.params import count_parameters  # deferred: torch loads after --help
 
     base = count_parameters(load_preset(BASELINE))
     base_flops = flop_weights(load_preset(BASELINE))

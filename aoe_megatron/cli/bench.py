@@ -21,7 +21,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from aoe_megatron.bench.names import (ARCHS, ARM_FIELDS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
+                                      QUICK_MODELS)
 from aoe_megatron.runtime.command_line import CommandParser
+from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings, transformer_engine_usable
 
 PROG = "aoe-bench"
 LEVELS = ("layer", "model", "ep")
@@ -48,9 +51,6 @@ def _check_names(ap, flag: str, names, known, quick_note: str = "") -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from aoe_megatron.bench.names import (ARCHS, ARM_FIELDS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
-                                          QUICK_MODELS)  # no torch: --help lists them at once
-
     ap = CommandParser(
         prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmark the AoE MoE layer against megatron-core's stock MoE layer (layer,\n"
@@ -97,7 +97,6 @@ def parser() -> argparse.ArgumentParser:
 
 def parse_args(argv):
     _hide_cuda_for_cpu(argv)
-    from aoe_megatron.bench.names import ARCHS, ARM_FIELDS, MODELS, QUICK_MODELS
 
     ap = parser()
     args = ap.parse_args(argv)
@@ -129,8 +128,6 @@ def main(argv=None) -> int:
 
     import torch
 
-    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings, transformer_engine_usable
-
     quiet_cpu_fallback_warnings()
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
@@ -144,7 +141,8 @@ def main(argv=None) -> int:
                  "(aoe_megatron.runtime.compat.transformer_engine_status says why not)")
     use_te = have_te if args.te == "auto" else args.te == "on"
 
-    from aoe_megatron.bench import ep, fresh, layer, model, report
+    from aoe_megatron.bench import (  # deferred: torch loads after --help
+        ep, fresh, layer, model, report)
 
     table = layer.QUICK_SHAPES if args.quick else layer.SHAPES
     if args.shapes and set(args.shapes) - set(table):
@@ -153,7 +151,8 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
-    from aoe_megatron.runtime.distributed import init_megatron, shutdown
+    from aoe_megatron.runtime.distributed import (  # deferred: torch loads after --help
+        init_megatron, shutdown)
 
     command = " ".join([PROG, *(shlex.quote(a) for a in argv)])
     log(f"{command}: device {device}, dtype {dtype_name}, TE {'on' if use_te else 'off'}, "

@@ -14,6 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from aoe_megatron.checkpoint.integrity import verify
+from aoe_megatron.checkpoint.layout import (LATEST, STATE, VERIFIED, checkpoints, is_checkpoint,
+                                            manifest_path, read_pointer, read_state)
 from aoe_megatron.runtime.command_line import CommandParser
 
 PATH_HELP = "a --ckpt-dir (every step_* checkpoint in it), or one step_* checkpoint"
@@ -24,8 +27,6 @@ class BadPath(ValueError):
 
 
 def _targets(path: Path) -> list:
-    from aoe_megatron.checkpoint.layout import checkpoints, is_checkpoint, manifest_path
-
     if is_checkpoint(path) or manifest_path(path).is_file():
         return [path]
     found = checkpoints(path)
@@ -35,8 +36,6 @@ def _targets(path: Path) -> list:
 
 
 def _list(root: Path) -> int:
-    from aoe_megatron.checkpoint.layout import LATEST, STATE, VERIFIED, read_pointer, read_state
-
     marks = {read_pointer(root, LATEST): LATEST, read_pointer(root, VERIFIED): "last verified"}
     for path in _targets(root):
         try:
@@ -53,8 +52,6 @@ def _list(root: Path) -> int:
 
 
 def _verify(root: Path) -> int:
-    from aoe_megatron.checkpoint.integrity import verify
-
     failed = 0
     for path in _targets(root):
         problems = verify(path)

@@ -32,8 +32,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)  # before any import of torch: --help answers at once
-    from aoe_megatron.hf.checkpoint_io import ConversionError
-    from aoe_megatron.hf.convert import import_from_hf
+    from aoe_megatron.hf.checkpoint_io import ConversionError  # deferred: torch loads after --help
+    from aoe_megatron.hf.convert import import_from_hf  # deferred: torch loads after --help
 
     try:
         import_from_hf(args.hf, args.output, overwrite=args.overwrite)

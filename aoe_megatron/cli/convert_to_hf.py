@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aoe_megatron.checkpoint.integrity import CheckpointDamaged
 from aoe_megatron.runtime.command_line import CommandParser
 
 
@@ -63,9 +64,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)  # before any import of torch: --help answers at once
-    from aoe_megatron.hf.checkpoint_io import ConversionError
-    from aoe_megatron.hf.convert import export_to_hf
-    from aoe_megatron.checkpoint.integrity import CheckpointDamaged
+    from aoe_megatron.hf.checkpoint_io import ConversionError  # deferred: torch loads after --help
+    from aoe_megatron.hf.convert import export_to_hf  # deferred: torch loads after --help
 
     try:
         export_to_hf(args.checkpoint, args.output, data=args.data, manifest=args.manifest,

@@ -32,8 +32,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
-    from aoe_megatron.models.gpt import load_preset  # after --help: it imports torch
-    from aoe_megatron.models.params import count_parameters
+    from aoe_megatron.models.gpt import load_preset  # deferred: torch loads after --help
+    from aoe_megatron.models.params import count_parameters  # deferred: torch loads after --help
 
     archs = ("moe", "aoe") if args.arch == "both" else (args.arch,)
     rows, tied = {}, {}

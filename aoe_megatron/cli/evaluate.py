@@ -18,6 +18,9 @@ import logging
 import sys
 from pathlib import Path
 
+from aoe_megatron.evaluation.data import MissingDataError, fetch_data
+from aoe_megatron.evaluation.harness import (EvalConfig, EvaluationError, force_offline,
+                                             markdown_table, run_evaluation)
 from aoe_megatron.evaluation.protocol import PAPER_TASKS, ProtocolError, resolve_tasks
 from aoe_megatron.runtime.command_line import CommandParser
 
@@ -121,7 +124,6 @@ def _setup_logging() -> None:
 def fetch_main(argv) -> int:
     args = parse_fetch_args(argv)
     _setup_logging()
-    from aoe_megatron.evaluation.data import fetch_data
 
     try:
         written = fetch_data(args.data_dir, resolve_tasks(args.tasks), overwrite=args.overwrite)
@@ -134,15 +136,12 @@ def fetch_main(argv) -> int:
 
 def eval_main(argv) -> int:
     args = parse_eval_args(argv)
-    from aoe_megatron.evaluation.harness import EvalConfig, EvaluationError, force_offline
 
     force_offline()  # before anything imports huggingface_hub / datasets
     _setup_logging()
     from lm_eval.utils import setup_logging
 
     setup_logging(logging.INFO)  # lm-eval's progress
-    from aoe_megatron.evaluation.data import MissingDataError
-    from aoe_megatron.evaluation.harness import markdown_table, run_evaluation
 
     cfg = EvalConfig(
         model=args.model, data_dir=args.data_dir, output=args.output,

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import shutil
 
+from aoe_megatron.data import assets, sources
+from aoe_megatron.data.study_corpus import build_study_corpus
 from aoe_megatron.runtime.command_line import CommandParser
 
 
@@ -30,21 +32,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    from aoe_megatron.data.assets import build_corpus, fetch_tokenizer
-    from aoe_megatron.data.sources import DOWNLOADS
 
-    tokenizer = fetch_tokenizer()
+    tokenizer = assets.fetch_tokenizer()
     print(f"tokenizer: {tokenizer}")
     if args.tokenizer_only:
         print(f"for a machine without network: copy {tokenizer.parent} to DIR/tokenizer there "
               f"and set AOE_MEGATRON_ASSETS=DIR (docs/data.md#assets)")
     elif args.study:
-        from aoe_megatron.data.study_corpus import build_study_corpus
-
         build_study_corpus()
     else:
-        print(f"corpus: {build_corpus()}")
-    shutil.rmtree(DOWNLOADS, ignore_errors=True)
+        print(f"corpus: {assets.build_corpus()}")
+    shutil.rmtree(sources.DOWNLOADS, ignore_errors=True)
     return 0
 
 

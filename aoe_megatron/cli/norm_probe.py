@@ -21,7 +21,11 @@ import json
 import sys
 from pathlib import Path
 
+from aoe_megatron.data.blend import check_manifests
+from aoe_megatron.data.config import DataConfig
 from aoe_megatron.runtime.command_line import CommandParser
+from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+from aoe_megatron.study.probe_nodes import CHOICES, WEIGHTINGS
 
 
 def stderr_log(message: str) -> None:
@@ -29,8 +33,6 @@ def stderr_log(message: str) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from aoe_megatron.study.probe_nodes import CHOICES, WEIGHTINGS  # no torch: --help at once
-
     ap = CommandParser(
         prog="aoe-norm-probe", allow_abbrev=False,
         description="Probe whether experts know what they know: on an AoE checkpoint, forced-"
@@ -100,9 +102,7 @@ def _check(ap, args) -> None:
 
 
 def _aoe(args) -> tuple:
-    from aoe_megatron.data.blend import check_manifests
-    from aoe_megatron.data.config import DataConfig
-    from aoe_megatron.study import probe
+    from aoe_megatron.study import probe  # deferred: torch loads after --help
 
     step_dir, state = probe.open_checkpoint(args.checkpoint, what="aoe-norm-probe",
                                             verify=not args.no_verify)
@@ -136,7 +136,7 @@ def _aoe(args) -> tuple:
 
 
 def _hf(args) -> tuple:
-    from aoe_megatron.study import hf_probe
+    from aoe_megatron.study import hf_probe  # deferred: torch loads after --help
 
     nodes = tuple(hf_probe.CHOICES) if args.node == "all" else tuple(args.node.split(","))
     result = hf_probe.hf_probe(args.hf, args.text, nodes=nodes, weighting=args.weighting,
@@ -150,7 +150,6 @@ def main(argv=None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
     _check(ap, args)
-    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
 
     quiet_cpu_fallback_warnings()
     try:

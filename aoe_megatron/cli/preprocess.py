@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from aoe_megatron.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 from aoe_megatron.runtime.command_line import CommandParser
 
 #: Megatron-LM's --tokenizer-type values taken here (each a sentencepiece model, --tokenizer-model)
@@ -68,8 +69,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.data.preprocess import PreprocessConfig, PreprocessError, preprocess
-
     ap = parser()
     args = ap.parse_args(argv)
     if args.tokenizer_type is not None and args.tokenizer_type not in TOKENIZER_TYPES:

@@ -21,14 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+from aoe_megatron.runtime import resources
 from aoe_megatron.runtime.command_line import CommandParser
 
 PROG = "aoe-study"
 
 
 def parser() -> argparse.ArgumentParser:
-    from aoe_megatron.runtime import resources
-
     known = ", ".join(resources.names("studies")) or "none installed"
     ap = CommandParser(
         prog=PROG, allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -78,8 +77,9 @@ def _seeds(text: str) -> tuple:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
-    from aoe_megatron.study.runner import run_study, table1_probe
-    from aoe_megatron.study.spec import SpecError, load_study
+    from aoe_megatron.study.runner import (  # deferred: torch loads after --help
+        run_study, table1_probe)
+    from aoe_megatron.study.spec import SpecError, load_study  # deferred: torch loads after --help
 
     try:
         study = load_study(args.spec, quick=args.quick)
@@ -111,13 +111,14 @@ def main(argv=None) -> int:
 
     def one_stage() -> int:
         if args.report_only:
-            from aoe_megatron.study.runner import collect_finished
+            from aoe_megatron.study.runner import (  # deferred: torch loads after --help
+                collect_finished)
 
             results = collect_finished(study, out)
         else:
             results = run_study(study, out, echo=lambda line: print(line, flush=True))
             table1_probe(study, out, echo=lambda line: print(line, flush=True))
-        from aoe_megatron.study.report import write_report
+        from aoe_megatron.study.report import write_report  # deferred: torch loads after --help
 
         write_report(study, out, results, wall_seconds=time.perf_counter() - t0, command=command.strip())
         print(f"report: {out / 'report.md'} (results.json, *.png beside it)", flush=True)
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
 def _guarded(work) -> int:
     """``work()``'s exit code; a failed run or missing file: 1; an interrupt: 130, saying how to
     resume."""
-    from aoe_megatron.study.runner import StudyError
+    from aoe_megatron.study.runner import StudyError  # deferred: torch loads after --help
 
     try:
         return work()
@@ -151,8 +152,9 @@ def _unknown(args, study) -> str:
 
 
 def _staged(study, out: Path, args, command: str) -> int:
-    from aoe_megatron.study import plan as planning
-    from aoe_megatron.study.staged import collect_staged, describe, run_staged
+    from aoe_megatron.study import plan as planning  # deferred: torch loads after --help
+    from aoe_megatron.study.staged import (  # deferred: torch loads after --help
+        collect_staged, describe, run_staged)
 
     echo = lambda line: print(line, flush=True)  # noqa: E731
     t0 = time.perf_counter()
@@ -164,7 +166,8 @@ def _staged(study, out: Path, args, command: str) -> int:
         if not args.report_only:
             run_staged(study, out, stages=args.stage, arms=args.arms, seeds=args.seeds,
                        budget_minutes=args.budget_minutes, echo=echo)
-        from aoe_megatron.study.report_staged import write_staged_report
+        from aoe_megatron.study.report_staged import (  # deferred: torch loads after --help
+            write_staged_report)
 
         results = collect_staged(study, out)
         write_staged_report(study, out, results, wall_seconds=time.perf_counter() - t0,

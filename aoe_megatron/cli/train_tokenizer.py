@@ -12,6 +12,7 @@ import argparse
 import glob
 import sys
 
+from aoe_megatron.data.train_tokenizer import train_tokenizer
 from aoe_megatron.runtime.command_line import CommandParser
 
 
@@ -36,8 +37,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.data.train_tokenizer import train_tokenizer
-
     args = parser().parse_args(argv)
     files = [f for pattern in args.input for f in (sorted(glob.glob(pattern)) or [pattern])]
     try:

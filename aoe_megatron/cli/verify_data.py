@@ -14,9 +14,11 @@ import os
 import sys
 import time
 
+from aoe_megatron.data.adopt import adopt
 from aoe_megatron.data.config import DataConfig
 from aoe_megatron.data.integrity import verify_dataset
 from aoe_megatron.data.manifest import read_manifest
+from aoe_megatron.data.tokenizer import Tokenizer
 from aoe_megatron.runtime.command_line import CommandParser
 
 
@@ -80,9 +82,6 @@ def _finding(found: dict) -> str:
 
 
 def _adopt(args) -> int:
-    from aoe_megatron.data.adopt import adopt
-    from aoe_megatron.data.tokenizer import Tokenizer
-
     try:
         prefixes = _prefixes(args.targets)
         Tokenizer(args.tokenizer_model)  # a missing tokenizer is a usage error, before any hashing

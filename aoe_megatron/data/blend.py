@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from aoe_megatron.data import index_cache
+from aoe_megatron.data.adopt import unadopted_manifest
 from aoe_megatron.data.config import DataConfig
 from aoe_megatron.data.integrity import check_datasets
 from aoe_megatron.data.manifest import read_manifest
@@ -22,8 +24,6 @@ def read_manifests(prefixes, *, no_manifest: bool = False, tokenizer_model=None,
     out = {}
     for prefix in prefixes:
         if no_manifest and not os.path.isfile(f"{prefix}.manifest.json"):
-            from aoe_megatron.data.adopt import unadopted_manifest
-
             out[prefix] = unadopted_manifest(prefix, tokenizer_model, say=say)
             (say or print)(f"WARNING: --no-manifest: {prefix} has no manifest; its structure is "
                            f"checked, its tokenizer taken on trust ({out[prefix]['tokenizer']['path']}"
@@ -150,8 +150,6 @@ def _build_with_cache(builder, cache_dir: Optional[str]):
     import tempfile
 
     import torch.distributed as dist
-
-    from aoe_megatron.data import index_cache
 
     if not dist.is_initialized():  # megatron-core asks the rank once a cache path is set
         with _one_process_group():

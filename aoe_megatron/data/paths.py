@@ -22,6 +22,9 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+from aoe_megatron.data.integrity import read_idx_header
+from aoe_megatron.runtime import resources
+
 YAML_SUFFIXES = (".yaml", ".yml")
 DATASET_FILES = (".bin", ".idx")
 
@@ -40,7 +43,6 @@ def find_config(value: str) -> Path:
     path = Path(value)
     if path.is_file():
         return path
-    from aoe_megatron.runtime import resources
 
     packaged = resources.path(path.name)
     if path.parent == Path(".") and packaged.is_file():
@@ -123,8 +125,6 @@ def resolve_prefix(prefix: str, bases: Sequence[Path] = ()) -> str:
 def sizes_as_weights(prefixes: Sequence[str]) -> list:
     """Weights for a blend given without any: each dataset's token count, as Megatron-LM blends
     unweighted prefixes by their size (read from the files' sizes: no file is opened)."""
-    from aoe_megatron.data.integrity import read_idx_header
-
     weights = []
     for prefix in prefixes:
         header = read_idx_header(prefix)

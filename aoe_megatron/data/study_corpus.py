@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from aoe_megatron.data.tokenizer import ASSETS
+from aoe_megatron.data.sources import download, paragraph_documents
+from aoe_megatron.data.tokenizer import ASSETS, Tokenizer
 
 CORPUS_DIR = ASSETS / "corpus"
 OUTPUTS = ("study_train.jsonl", "study_valid.jsonl", "study_stats.json")  # stats written last
@@ -178,8 +179,6 @@ def choose_valid(works, groups, tokens: list[int], *, valid_fraction: float,
 
 
 def _documents(source: Source, key: str, files, doc_chars: int, split: str):
-    from aoe_megatron.data.sources import paragraph_documents
-
     for path, text in files:
         for part, doc in enumerate(paragraph_documents(text, doc_chars)):
             yield {"text": doc, "meta": {"source": source.requirement, "collection": source.name,
@@ -202,11 +201,8 @@ def build_study_corpus(out_dir: Path = CORPUS_DIR, *, sources=SOURCES,
         log(f"study corpus: {out_dir} already has {', '.join(OUTPUTS)}")
         return json.loads((out_dir / OUTPUTS[-1]).read_text())
     if count_tokens is None:
-        from aoe_megatron.data.tokenizer import Tokenizer
-
         sp = Tokenizer().sp
         count_tokens = lambda text: len(sp.encode(text)) + 1  # noqa: E731 (EOD, as --append-eod)
-    from aoe_megatron.data.sources import download
 
     start = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from aoe_megatron.data.reader import SourceFile
+
 LLAMA_OPTIONS = dict(
     model_type="bpe",
     byte_fallback=True,
@@ -33,8 +35,6 @@ LLAMA_OPTIONS = dict(
 
 def iter_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
     """Lines of .txt files, or the ``json_key`` field of .jsonl/.gz/.zst records (others skipped)."""
-    from aoe_megatron.data.reader import SourceFile
-
     for path in paths:
         if path.endswith(".txt"):
             with open(path, encoding="utf-8", errors="replace") as fh:

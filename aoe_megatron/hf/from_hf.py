@@ -15,9 +15,12 @@ from typing import Callable
 import torch
 
 from aoe_megatron.checkpoint import integrity, layout
+from aoe_megatron.data.tokenizer import sha256_of
 from aoe_megatron.hf.checkpoint_io import ConversionError, staged_output
 from aoe_megatron.hf.mapping import links as all_links
 from aoe_megatron.hf.mapping import model_config
+from aoe_megatron.models.gpt import build_gpt_model, transformer_config
+from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
 
 def hf_model_config(config: dict):
@@ -91,9 +94,6 @@ def import_from_hf(folder, out, *, overwrite: bool = False, log: Callable = prin
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from aoe_megatron.runtime.distributed import init_megatron, shutdown
-    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
-
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConversionError(f"{folder / 'config.json'} is missing: {folder} is not a Hugging Face model folder")
@@ -166,8 +166,6 @@ def _model_config_checked(folder: Path, config: dict):
             )
         recorded = ((config.get("aoe_megatron") or {}).get("tokenizer") or {}).get("sha256")
         if recorded:
-            from aoe_megatron.data.tokenizer import sha256_of
-
             if sha256_of(tok_file) != recorded:
                 raise ConversionError(
                     f"{tok_file} is not the tokenizer this model was exported with (sha256 "

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from aoe_megatron.hf.checkpoint_io import ConversionError
+from aoe_megatron.models.gpt import ModelConfig
 
 
 def _ident(t):
@@ -112,8 +113,6 @@ def links(cfg, num_query_groups: int) -> list:
 
 def model_config(raw: dict):
     """A ModelConfig from a recorded dict; a bad one is a ConversionError."""
-    from aoe_megatron.models.gpt import ModelConfig
-
     try:
         return ModelConfig.from_dict(raw)
     except (TypeError, ValueError) as exc:

@@ -19,6 +19,9 @@ import torch
 
 from aoe_megatron.checkpoint import integrity
 from aoe_megatron.checkpoint.layout import STATE
+from aoe_megatron.data.blend import check_manifests
+from aoe_megatron.data.config import DataConfig
+from aoe_megatron.data.tokenizer import sha256_of
 from aoe_megatron.hf.checkpoint_io import (CheckpointReader, ConversionError, SafetensorsWriter,
                                            resolve_checkpoint, staged_output)
 from aoe_megatron.hf.mapping import links as all_links
@@ -33,7 +36,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _check_exportable(cfg) -> None:
-    from aoe_megatron.hf.configuration_aoe import NORM_ORDERS, SELECTIONS
+    from aoe_megatron.hf.configuration_aoe import (  # deferred: only exports load transformers
+        NORM_ORDERS, SELECTIONS)
 
     if cfg.arch == "aoe":
         if cfg.aoe.factorized != "gate":
@@ -72,9 +76,6 @@ def _check_exportable(cfg) -> None:
 
 def data_manifest(state: dict, *, data=None, manifest=None) -> dict:
     """The preprocessing manifest of the checkpoint's training data (tokenizer + BOS policy)."""
-    from aoe_megatron.data.blend import check_manifests
-    from aoe_megatron.data.config import DataConfig
-
     if manifest:
         path = Path(manifest)
         if not path.is_file():
@@ -104,8 +105,8 @@ def data_manifest(state: dict, *, data=None, manifest=None) -> dict:
 
 def export_tokenizer(folder: Path, manifest: dict, *, tokenizer_model=None, vocab_size: int) -> dict:
     """Write the exact preprocessing tokenizer (code + sentencepiece model) into ``folder``."""
-    from aoe_megatron.data.tokenizer import sha256_of
-    from aoe_megatron.hf.tokenization_aoe import AoETokenizer
+    from aoe_megatron.hf.tokenization_aoe import (  # deferred: only exports load transformers
+        AoETokenizer)
 
     tok = manifest["tokenizer"]
     path = Path(tokenizer_model or tok["path"])
@@ -191,7 +192,8 @@ def _hf_config(cfg, *, num_query_groups: int, d_wide: int, dtype: torch.dtype, t
         aoe_megatron=provenance,
     )
     if cfg.arch == "aoe":
-        from aoe_megatron.hf.configuration_aoe import AoEConfig
+        from aoe_megatron.hf.configuration_aoe import (  # deferred: only exports load transformers
+            AoEConfig)
 
         config = AoEConfig(num_experts=cfg.num_experts, d_low=cfg.aoe.d_low, d_wide=d_wide,
                            norm=cfg.aoe.norm, selection=cfg.aoe.selection,
@@ -213,7 +215,8 @@ def _hf_config(cfg, *, num_query_groups: int, d_wide: int, dtype: torch.dtype, t
 def _check_against_hf_model(config, entries, source: Path) -> None:
     """Every tensor about to be written has the name and shape the Hugging Face model expects."""
     if config.model_type == "aoe":
-        from aoe_megatron.hf.modeling_aoe import AoEForCausalLM as model_class
+        from aoe_megatron.hf.modeling_aoe import (  # deferred: only exports load transformers
+            AoEForCausalLM as model_class)
     else:
         from transformers import MixtralForCausalLM as model_class
     with torch.device("meta"):

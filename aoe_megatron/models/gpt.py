@@ -18,6 +18,7 @@ from aoe_megatron.models.settings import (  # noqa: F401  (AoESettings, RouterSe
 )
 from aoe_megatron.moe.config import AoEConfig, from_transformer_config
 from aoe_megatron.runtime import resources
+from aoe_megatron.runtime.compat import fused_softmax_available
 
 ARCHS = ("aoe", "moe")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -93,7 +94,8 @@ class ModelConfig:
 
     def router_config(self):
         """The traditional-MoE router variant (aoe_megatron.models.moe_router.RouterConfig)."""
-        from aoe_megatron.models.moe_router import RouterConfig
+        from aoe_megatron.models.moe_router import (  # deferred: megatron-core loads at build
+            RouterConfig)
 
         return RouterConfig(num_experts=self.num_experts, top_k=self.top_k, d_model=self.hidden_size,
                             alpha_aux=self.alpha_aux, vocab_size=self.vocab_size, **asdict(self.router))
@@ -204,8 +206,6 @@ def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **ext
     """megatron-core TransformerConfig for ``cfg``; ``extra`` passes further megatron settings."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from aoe_megatron.runtime.compat import fused_softmax_available
-
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
         **_megatron_moe_settings(cfg, expert_parallel_size),
@@ -241,7 +241,8 @@ def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None)
     """A megatron-core GPTModel with AoE or stock MoE layers (parallel state must be set up)."""
     from megatron.core.models.gpt import GPTModel
 
-    from aoe_megatron.models.spec import aoe_layer_spec, moe_layer_spec
+    from aoe_megatron.models.spec import (  # deferred: megatron-core loads at build
+        aoe_layer_spec, moe_layer_spec)
 
     tc = tc or transformer_config(cfg)
     if cfg.arch == "aoe":
@@ -258,7 +259,8 @@ def build_gpt_model(cfg: ModelConfig, tc=None, *, use_te: Optional[bool] = None)
         position_embedding_type="rope",
     )
     if cfg.arch == "moe" and cfg.router.gate == "hash":
-        from aoe_megatron.models.moe_router import hand_token_ids_to_hash_routers
+        from aoe_megatron.models.moe_router import (  # deferred: megatron-core loads at build
+            hand_token_ids_to_hash_routers)
 
         hand_token_ids_to_hash_routers(model)
     return model

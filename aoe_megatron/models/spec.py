@@ -17,6 +17,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from aoe_megatron.models.moe_router import VariantMoELayer, VariantRouter
 from aoe_megatron.runtime.compat import transformer_engine_usable
 from aoe_megatron.moe.config import AoEConfig
 from aoe_megatron.moe.experts import AoEExperts
@@ -184,8 +185,6 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
     if use_te is None:
         use_te = use_transformer_engine()
     if router is not None:
-        from aoe_megatron.models.moe_router import VariantMoELayer, VariantRouter
-
         spec = moe_layer_spec(num_experts, use_te=use_te)
         submodules = moe_submodules(spec)
         submodules.router = partial(VariantRouter, router=router)

@@ -14,9 +14,10 @@ from megatron.core import utils as mcore_utils
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+from aoe_megatron.moe import ops
 from aoe_megatron.moe.config import AoEConfig
 from aoe_megatron.moe.dispatcher import AoEAllGatherTokenDispatcher, AoEAlltoAllTokenDispatcher
-from aoe_megatron.moe.selection import selects_top_k_per_token
+from aoe_megatron.moe.selection import select_experts, selects_top_k_per_token
 from aoe_megatron.runtime.versions import constructor_kwargs, refuse_mtp
 
 
@@ -81,8 +82,6 @@ class AoEMoELayer(MoELayer):
         weights them (topk_softmax: softmax over the selected output norms). Dense, EP=1 only."""
         if self.experts.ep_size != 1:
             raise ValueError("FON selection needs every expert's output on one rank: EP=1 only")
-        from aoe_megatron.moe import ops
-        from aoe_megatron.moe.selection import select_experts
 
         aoe = self.aoe
         x_TD = hidden_states.reshape(-1, aoe.d_model)

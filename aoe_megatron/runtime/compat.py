@@ -218,7 +218,8 @@ def quiet_cpu_fallback_warnings() -> None:
 
     NOTE: whether CUDA is there is asked as ``megatron.core`` loads (an import hook), not here:
     ``import aoe_megatron`` does not import torch, so ``--help`` stays quick."""
-    from aoe_megatron.patches._patching import when_loading
+    from aoe_megatron.patches._patching import (  # deferred: __init__ runs this before patches
+        when_loading)
 
     warnings.filterwarnings("ignore", message="full scope is deprecated")
     if "megatron.core" in sys.modules:  # loaded before aoe_megatron: decide now

@@ -14,6 +14,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from aoe_megatron.patches import apply_patches
+from aoe_megatron.runtime.compat import say_fallback_once
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -131,9 +134,6 @@ def init_megatron(
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from aoe_megatron.patches import apply_patches
-    from aoe_megatron.runtime.compat import say_fallback_once
 
     apply_patches()
     say_fallback_once()

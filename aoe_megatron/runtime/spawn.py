@@ -41,7 +41,8 @@ def spawn(fn: Callable, nprocs: int, *args, timeout: float, rendezvous: bool = T
     its result may already be in: the processes' exits are part of what they do."""
     import torch.multiprocessing as mp
 
-    from aoe_megatron.runtime.distributed import free_port
+    from aoe_megatron.runtime.distributed import (  # deferred: torch-free for the spawned children
+        free_port)
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

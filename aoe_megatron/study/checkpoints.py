@@ -12,6 +12,9 @@ from typing import Optional
 import torch
 
 from aoe_megatron.checkpoint import layout
+from aoe_megatron.checkpoint.integrity import require_verified
+from aoe_megatron.data.blend import build_datasets
+from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
 
 class StudyInputError(ValueError):
@@ -30,8 +33,6 @@ def open_checkpoint(path, *, what: str, verify: bool = True) -> tuple:
     """(step_dir, state) of a checkpoint or ckpt dir (its latest), verified before anything of it
     is read: ``integrity.CheckpointDamaged`` (a ValueError: the tools exit 2) names each damaged
     file; ``verify=False`` (--no-verify) reads it unchecked, with a warning on stderr."""
-    from aoe_megatron.checkpoint.integrity import require_verified
-
     step_dir = resolve_checkpoint(path)
     require_verified(step_dir, verify=verify, what=what,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -43,8 +44,6 @@ def megatron_world(seed: int = 0):
     """A one-rank megatron world for this process unless one is up (then left as it is)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-
-    from aoe_megatron.runtime.distributed import init_megatron, shutdown
 
     started = not (dist.is_initialized() and parallel_state.model_parallel_is_initialized())
     if started:
@@ -59,8 +58,6 @@ def megatron_world(seed: int = 0):
 def heldout_windows(data, *, sequences: int, seq_length: int, seed: int,
                     tokenizer_sha256: Optional[str] = None) -> torch.Tensor:
     """[sequences, seq_length + 1] windows of the data config's validation split."""
-    from aoe_megatron.data.blend import build_datasets
-
     _, valid, _ = build_datasets(data, seq_length=seq_length, seed=seed, num_samples=(0, sequences, 0),
                                  tokenizer_sha256=tokenizer_sha256)
     if valid is None:

@@ -21,8 +21,15 @@ from pathlib import Path
 
 import torch
 
+from aoe_megatron.checkpoint.layout import checkpoints as kept
 from aoe_megatron.checkpoint.model import load_model
+from aoe_megatron.models.gpt import ModelConfig
+from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
+from aoe_megatron.runtime.distributed import free_port, init_megatron, shutdown
 from aoe_megatron.study import checkpoints
+from aoe_megatron.study.probe import probe_step
+from aoe_megatron.train.metrics import (attach_stock_router_stats, reset_selection_stats,
+                                        selection_stats)
 
 DEFAULT_EVAL = {"sequences": 256, "batch_size": 8, "seed": 0}
 
@@ -32,8 +39,6 @@ def open_model(ckpt, *, verify: bool = True) -> tuple:
     ``verify`` (``checkpoints.open_checkpoint``), at EP=1 on this process, in a one-rank megatron
     world (started here if none is up)."""
     import torch.distributed as dist
-
-    from aoe_megatron.runtime.distributed import free_port, init_megatron
 
     path, state = checkpoints.open_checkpoint(ckpt, what="the evaluation", verify=verify)
     if not dist.is_initialized():
@@ -56,9 +61,6 @@ def per_token_losses(model, windows: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def heldout_metrics(model, windows: torch.Tensor, *, batch_size: int, arch: str) -> dict:
     """Mean loss and perplexity, and per-layer selection statistics averaged over batches."""
-    from aoe_megatron.train.metrics import (attach_stock_router_stats, reset_selection_stats,
-                                            selection_stats)
-
     stock = attach_stock_router_stats(model) if arch == "moe" else []
     reset_selection_stats(model, stock)  # each batch's figures are its own (read, then reset)
     total, count, layers, batches = 0.0, 0, {}, 0
@@ -85,9 +87,6 @@ def _earlier_checkpoints(ckpt, latest: dict, windows, *, batch_size: int, arch: 
                          verify: bool) -> dict:
     """{step: held-out metrics} of every kept checkpoint of ``ckpt``'s folder before ``latest``
     (the model of each loaded into one model object; each verified first unless not ``verify``)."""
-    from aoe_megatron.models.gpt import ModelConfig
-    from aoe_megatron.checkpoint.layout import checkpoints as kept
-
     folder = Path(latest["path"]).parent
     cfg = ModelConfig.from_dict(latest["config"]["model"])
     curve = {}
@@ -122,8 +121,6 @@ def evaluate(ckpt, data: str, settings: dict, *, verify: bool = True) -> dict:
           f"{result['heldout']['tokens']} tokens", flush=True)
     probe = settings.get("probe")
     if probe:
-        from aoe_megatron.study.probe import probe_step
-
         n = int(probe.get("sequences", 32))  # the checkpoint verified above, not hashed again
         result["probe"] = probe_step(state["path"], state, windows[:n],
                                      batch_size=int(probe.get("batch_size", ev["batch_size"])))
@@ -132,8 +129,6 @@ def evaluate(ckpt, data: str, settings: dict, *, verify: bool = True) -> dict:
 
 
 def main(argv=None) -> int:
-    from aoe_megatron.runtime.compat import quiet_cpu_fallback_warnings
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="a checkpoint, or a checkpoint directory (its latest)")
     ap.add_argument("--data", required=True, help="data config whose validation split is used")
@@ -152,8 +147,6 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
-        from aoe_megatron.runtime.distributed import shutdown
-
         shutdown()
     tmp = args.output.with_suffix(".partial")
     tmp.write_text(json.dumps(result, indent=2) + "\n")

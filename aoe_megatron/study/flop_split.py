@@ -15,6 +15,8 @@ per token and per step:
 from __future__ import annotations
 
 from aoe_megatron.bench.flops import aoe_block_forward_flops, moe_block_forward_flops, training_flops
+from aoe_megatron.models.gpt import ModelConfig
+from aoe_megatron.models.params import count_parameters
 
 PARTS = ("output_layer", "attention", "moe_blocks")
 
@@ -22,9 +24,6 @@ PARTS = ("output_layer", "attention", "moe_blocks")
 def split_of_model(model: dict) -> dict:
     """Per-token training FLOPs of a preset's ``model`` section by part, their fractions, the
     parameter counts (count_parameters) and AoE's d_wide (Eq. 5, as the model resolves it)."""
-    from aoe_megatron.models.gpt import ModelConfig
-    from aoe_megatron.models.params import count_parameters
-
     cfg = ModelConfig.from_dict(model)
     d, n, s, v = cfg.hidden_size, cfg.num_layers, cfg.seq_length, cfg.vocab_size
     count = count_parameters(cfg)

@@ -9,6 +9,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from aoe_megatron.checkpoint.layout import checkpoints
 from aoe_megatron.models.gpt import merge_settings
 from aoe_megatron.study.runner import run_paths
 from aoe_megatron.study.spec import Arm, Study
@@ -210,7 +211,5 @@ def estimate_seconds(study: Study, out: Path, plan: Plan, run: PlannedRun) -> fl
 
 
 def _last_step(ckpt: Path) -> int:
-    from aoe_megatron.checkpoint.layout import checkpoints
-
     kept = checkpoints(ckpt)
     return int(kept[-1].name.split("_")[-1]) if kept else 0

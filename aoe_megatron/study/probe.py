@@ -27,6 +27,8 @@ import torch
 
 from aoe_megatron.checkpoint.layout import state_path
 from aoe_megatron.checkpoint.model import load_model
+from aoe_megatron.models.gpt import ModelConfig
+from aoe_megatron.moe import ops
 from aoe_megatron.study.checkpoints import (  # noqa: F401 (the probe's public helpers)
     StudyInputError as ProbeError,
     heldout_windows,
@@ -135,8 +137,6 @@ class ExpertForcing:
             layer.token_dispatcher.variable_count = counted
 
     def _wrap(self, index: int, layer, original):
-        from aoe_megatron.moe import ops
-
         def route(hidden_states, padding_mask=None):
             probs_TE, map_TE = original(hidden_states, padding_mask)
             if self.record:
@@ -155,7 +155,7 @@ class ExpertForcing:
 
 
 def aoe_layers(model) -> list:
-    from aoe_megatron.moe.layer import AoEMoELayer
+    from aoe_megatron.moe.layer import AoEMoELayer  # deferred: megatron-core loads at build
 
     layers = [layer.mlp for layer in model.decoder.layers]
     if not all(isinstance(m, AoEMoELayer) for m in layers):
@@ -215,8 +215,6 @@ def probe_config(raw: dict, where=""):
     """The ModelConfig to probe with; refuses models the norm ranking does not apply to. The
     evaluation-time selection is set to "norm" (what the model trained with): "fon" and the
     imitation router select otherwise at evaluation, but the cache norms are what is tested."""
-    from aoe_megatron.models.gpt import ModelConfig
-
     cfg = ModelConfig.from_dict(raw)
     if cfg.arch != "aoe":
         raise ProbeError(f"{where} is a traditional MoE (arch {cfg.arch!r}): it has no expert norms "

@@ -9,6 +9,7 @@ import platform
 from datetime import datetime, timezone
 from pathlib import Path
 
+from aoe_megatron.models.params import count_parameters
 from aoe_megatron.study import plots, stats
 from aoe_megatron.study.runner import run_paths
 from aoe_megatron.study.spec import Study
@@ -61,8 +62,6 @@ def probe_summary(probes: dict) -> list:
 
 
 def collect(study: Study, out: Path, results: dict, *, wall_seconds: float, command: str) -> dict:
-    from aoe_megatron.models.params import count_parameters
-
     doc = {"study": study.name, "quick": study.quick, "description": study.description,
            "generated": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "command": command, "machine": machine(), "data": study.data, "seeds": list(study.seeds),

@@ -14,6 +14,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from aoe_megatron.study import answers, plots_staged, staged_probes, staged_tables
+from aoe_megatron.study.flop_split import stage_splits
+from aoe_megatron.study.report import machine
 from aoe_megatron.study.staged_markdown import markdown
 
 
@@ -63,8 +65,6 @@ def analyse(report: dict, results: dict) -> dict:
 
 
 def _flop_splits(stage: dict, baseline: str) -> dict:
-    from aoe_megatron.study.flop_split import stage_splits
-
     return stage_splits(stage, prefer={"moe": baseline, "aoe": "aoe"})
 
 
@@ -104,8 +104,6 @@ def figures(doc: dict, out: Path) -> list:
 def write_staged_report(study, out: Path, results: dict, *, wall_seconds: float, command: str) -> dict:
     """Writes ``out``/results.json, report.md and the figures; returns the results.json dict.
     ``study``: .name, .description, .data, .report (the spec's report settings), .quick."""
-    from aoe_megatron.study.report import machine
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     report = dict(getattr(study, "report", None) or {})

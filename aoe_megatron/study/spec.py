@@ -31,7 +31,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aoe_megatron.models.gpt import ModelConfig, merge_settings
+from aoe_megatron.models.gpt import ModelConfig, math_revision, merge_settings
 from aoe_megatron.models.settings import SECTIONS, upgrade_sections
 from aoe_megatron.moe.config import LEGACY_KEYS
 from aoe_megatron.runtime import resources
@@ -88,8 +88,6 @@ class Arm:
     @property
     def revision(self) -> int:
         """The training math's revision for this arm (``models.gpt.math_revision``)."""
-        from aoe_megatron.models.gpt import math_revision
-
         return math_revision(self.model)
 
     def fingerprint(self, seed: int, data: str, *, revision: int | None = None) -> str:

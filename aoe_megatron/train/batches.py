@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from aoe_megatron.data import index_cache
+from aoe_megatron.data.blend import build_datasets
 from aoe_megatron.train import console
 from aoe_megatron.train.run import Run
 
@@ -31,9 +33,6 @@ def build_run_datasets(run: Run, dp_size: int, say=None) -> tuple:
     import time
 
     import torch.distributed as dist
-
-    from aoe_megatron.data import index_cache
-    from aoe_megatron.data.blend import build_datasets
 
     cache = index_cache.default_path(run.cfg)
     rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -30,6 +30,8 @@ import torch.distributed as dist
 from aoe_megatron.checkpoint import integrity
 from aoe_megatron.checkpoint.layout import (FORMAT, LATEST, VERIFIED, checkpoints, read_pointer,
                                             read_state, write_pointer)
+from aoe_megatron.patches.mcore_dist_ckpt_results_queue import upstream_name
+from aoe_megatron.runtime.distributed import reduce_across_ranks
 from aoe_megatron.train import optim_state
 from aoe_megatron.train.host_memory import PeakHostMemory
 from aoe_megatron.checkpoint.model import check_release
@@ -51,8 +53,6 @@ def start_writer() -> None:
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from aoe_megatron.patches.mcore_dist_ckpt_results_queue import upstream_name
-
     stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
     try:
@@ -64,8 +64,6 @@ def start_writer() -> None:
 
 def _max_over_ranks(nbytes: Optional[int]) -> Optional[int]:
     """The largest of every rank's figure (collective); None if any rank has none."""
-    from aoe_megatron.runtime.distributed import reduce_across_ranks
-
     most = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else nbytes), op="max").item())
     least = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else 0), op="max").item())
     return None if least < 0 else most

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import sys
 
+from aoe_megatron.train.flags import parser
+from aoe_megatron.train.threads import prefer_passive_wait
+
 #: Arguments answered without training (argparse prints and exits).
 ANSWERED = ("-h", "--help", "--version")
 
@@ -15,12 +18,10 @@ def main(argv=None) -> int:
     held, 128 + N ended by signal N (``train.loop.main``)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(arg in ANSWERED for arg in argv):
-        from aoe_megatron.train.flags import parser
-
         parser().parse_args(argv)  # prints the help or the versions and exits (a bad flag: 2)
-    from aoe_megatron.train.threads import prefer_passive_wait
 
     prefer_passive_wait()  # before torch loads: OpenMP reads it once (train/threads.py)
-    from aoe_megatron.train.loop import main as train
+    from aoe_megatron.train.loop import (  # deferred: torch loads after OMP_WAIT_POLICY
+        main as train)
 
     return train(argv)

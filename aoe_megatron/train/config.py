@@ -258,7 +258,7 @@ def adopt_single_process_env() -> None:
     rank 0, a free rendezvous port on this host. Launched runs are left as they are."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    from aoe_megatron.runtime.distributed import free_port
+    from aoe_megatron.runtime.distributed import free_port  # deferred: torch loads after --help
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -17,6 +17,8 @@ import os
 import re
 import sys
 
+from aoe_megatron.runtime.upstream_noise import quiet_repeated_upstream_lines
+
 LOGGER = logging.getLogger("aoe_megatron.train")
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 FORMAT = "[%(asctime)s][rank %(rank)s] %(message)s"
@@ -79,8 +81,6 @@ def set_up() -> None:
     """The console of a training process (idempotent): our logger (``_our_handler``); the root
     logger the same format (WARNING and up from other libraries) unless the embedding program
     has given it handlers; upstream's repeated lines at most once (``runtime/upstream_noise``)."""
-    from aoe_megatron.runtime.upstream_noise import quiet_repeated_upstream_lines
-
     _our_handler()
     root = logging.getLogger()
     if not root.handlers:

@@ -7,15 +7,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from aoe_megatron.data import index_cache
+from aoe_megatron.train.batches import build_run_datasets
 from aoe_megatron.train.run import Run
 
 
 def build_index_only(run: Run, say=print) -> Path:
     """Build (or find complete) the index files the run would read at ``run.world_size``
     processes; returns the cache folder. No process group is started."""
-    from aoe_megatron.data import index_cache
-    from aoe_megatron.train.batches import build_run_datasets
-
     cache = Path(index_cache.default_path(run.cfg))
     start = time.perf_counter()
     say(f"building the data index cache in {cache.resolve()} for {run.world_size} process(es), "

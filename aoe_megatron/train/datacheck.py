@@ -25,6 +25,8 @@ import hashlib
 import os
 from typing import Optional, Union
 
+from aoe_megatron.data.config import DataConfig
+from aoe_megatron.data.manifest import read_manifest
 from aoe_megatron.train import console
 from aoe_megatron.train.errors import TrainingHalted
 
@@ -57,8 +59,6 @@ def sample_sha256(path: str, sample: int = SAMPLE_BYTES) -> str:
 
 def dataset_fingerprint(prefix: str, manifest: Optional[dict] = None) -> dict:
     """``manifest``: the dataset's preprocessing manifest when already read."""
-    from aoe_megatron.data.manifest import read_manifest
-
     manifest = read_manifest(prefix) if manifest is None else manifest
     sources = hashlib.sha256("\n".join(s["sha256"] for s in manifest.get("sources", [])).encode())
     return {
@@ -78,7 +78,6 @@ def fingerprint(data, manifests: Optional[dict] = None) -> Fingerprint:
     ``"mock"``. ``manifests``: {prefix: manifest} when already read (a resolved run's)."""
     if data is None:
         return MOCK
-    from aoe_megatron.data.config import DataConfig
 
     cfg = data if isinstance(data, DataConfig) else DataConfig.load(data)
     manifests = manifests or {}

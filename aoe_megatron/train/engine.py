@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from aoe_megatron.patches import apply_deepspeed_patches
 from aoe_megatron.runtime import resources
 
 DEEPSPEED_CONFIGS = resources.path("deepspeed")
@@ -27,8 +28,6 @@ def import_deepspeed():
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-
-    from aoe_megatron.patches import apply_deepspeed_patches
 
     apply_deepspeed_patches()
 

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from aoe_megatron.checkpoint.layout import latest_checkpoint
 from aoe_megatron.train.errors import TrainingHalted
 
 __all__ = ["NonFiniteError", "NonFinitePolicy", "TrainingHalted", "clear_halt_record",
@@ -134,7 +135,6 @@ class NonFinitePolicy:
     def _last_good(self) -> str:
         if not self.ckpt_dir:
             return "No checkpoint is written without --save (or --ckpt-dir)."
-        from aoe_megatron.checkpoint.layout import latest_checkpoint
 
         try:
             latest = latest_checkpoint(self.ckpt_dir)

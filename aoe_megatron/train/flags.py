@@ -155,7 +155,7 @@ def parse_train_args(argv=None) -> TrainConfig:
 
 def parse_with_preset(argv=None) -> tuple:
     """(TrainConfig, the preset as read): the preset file is read here, once per launch."""
-    from aoe_megatron.models.gpt import preset_dict  # it imports torch: not for --help
+    from aoe_megatron.models.gpt import preset_dict  # deferred: torch loads after --help
 
     args = {k: v for k, v in vars(parser().parse_args(argv)).items() if v is not None}
     args.pop("local_rank", None)

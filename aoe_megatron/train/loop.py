@@ -17,13 +17,18 @@ from pathlib import Path
 import torch
 
 from aoe_megatron.checkpoint.errors import CheckpointError
+from aoe_megatron.data.index_cache import DataCacheError
 from aoe_megatron.runtime import signals
-from aoe_megatron.runtime.distributed import reduce_across_ranks
+from aoe_megatron.runtime.distributed import reduce_across_ranks, shutdown
 from aoe_megatron.runtime.launch import SUMMARY_VAR
-from aoe_megatron.train import console
-from aoe_megatron.train.config import TrainConfig, adopt_slurm_env
+from aoe_megatron.train import console, threads
+from aoe_megatron.train.batches import lm_loss
+from aoe_megatron.train.checkpoint_save import save_checkpoint
+from aoe_megatron.train.config import TrainConfig, adopt_single_process_env, adopt_slurm_env
+from aoe_megatron.train.data_index import build_index_only
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record
+from aoe_megatron.train.lock import FolderHeld, FolderLock
 from aoe_megatron.train.metrics import Reporter, reset_selection_stats, selection_stats
 from aoe_megatron.train.run import Run, parse_run, resolve
 from aoe_megatron.train.run_dir import open_run_dir, resolve_run_dir
@@ -31,6 +36,7 @@ from aoe_megatron.train.run_record import record_run, start_lines
 from aoe_megatron.train.setup import Parts, set_up
 from aoe_megatron.train.step import StepResult, train_step
 from aoe_megatron.train.stop_window import StopWindow
+from aoe_megatron.train.wandb_sink import WandbSink
 
 EXIT_OK = 0
 """Finished, or stopped by a signal after saving: the run directory tells them apart
@@ -98,8 +104,6 @@ class EndOfStep:
             console.say(message)
 
     def evaluate(self, step: int) -> float:
-        from aoe_megatron.train.batches import lm_loss
-
         parts, cfg = self.parts, self.cfg
         parts.model.eval()
         with torch.no_grad():
@@ -114,8 +118,6 @@ class EndOfStep:
         return value
 
     def save(self, step: int) -> None:
-        from aoe_megatron.train.checkpoint_save import save_checkpoint
-
         parts, cfg = self.parts, self.cfg
         if not cfg.save_dir():
             return
@@ -143,8 +145,6 @@ def train(run) -> dict:
 
 
 def _train(run, stop) -> dict:
-    from aoe_megatron.train.wandb_sink import WandbSink
-
     console.set_up()
     if isinstance(run, TrainConfig):
         run = resolve(run)
@@ -208,22 +208,15 @@ def _main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from aoe_megatron.data.index_cache import DataCacheError
-    from aoe_megatron.runtime.distributed import shutdown
-    from aoe_megatron.train.config import adopt_single_process_env
 
     console.set_up()
     if run.cfg.build_data_index_only:
-        from aoe_megatron.train.data_index import build_index_only
-
         try:
             build_index_only(run, say=console.say)
         except DataCacheError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
         return EXIT_OK
-
-    from aoe_megatron.train import threads
 
     if threads.said() and int(os.environ.get("RANK", "0")) == 0:
         console.say(threads.said())
@@ -233,8 +226,6 @@ def _main(argv=None) -> int:
         run = _with_run_dir(run)  # before the lock's lease and the halt record name it
     held = None
     if rank0 and run.cfg.save_dir():  # one writer per checkpoint folder, before anything is written
-        from aoe_megatron.train.lock import FolderHeld, FolderLock
-
         try:
             held = FolderLock(run.cfg.save_dir(), run_dir=run.cfg.run_dir,
                               say=lambda m: print(m, file=sys.stderr, flush=True)).acquire()

@@ -31,7 +31,9 @@ import time
 import torch
 
 from aoe_megatron.moe.selection_stats import SelectionStats
+from aoe_megatron.runtime import distributed
 from aoe_megatron.train import console as _console
+from aoe_megatron.train.host_memory import resident_bytes
 
 
 def _number(value):
@@ -75,7 +77,7 @@ def attach_stock_router_stats(model) -> list:
 
 
 def _stat_sources(model, stock_stats) -> list:
-    from aoe_megatron.moe.router import SelectionRouter
+    from aoe_megatron.moe.router import SelectionRouter  # deferred: megatron-core loads at build
 
     return [m for m in model.modules() if isinstance(m, SelectionRouter)] or list(stock_stats)
 
@@ -91,16 +93,14 @@ def selection_stats(model, stock_stats=()) -> dict:
     over data-parallel ranks: load fractions f_i (Eq. 7's), Ent_load, Ent_conf (Eq. 8), each
     expert's mean activation norm (AoE; the paper's Figure 4) or mean router logit (stock MoE),
     and L_aux (the mean over training micro-batches). Collective: every rank calls it."""
-    from aoe_megatron.runtime.distributed import comm_device, reduce_across_ranks
-
     routers = _stat_sources(model, stock_stats)
     if not routers:
         return {}
-    device = comm_device()
+    device = distributed.comm_device()
     packed = torch.stack([r.selection_stats.figures().float().to(device) for r in routers])
     for r in routers:
         r.selection_stats.reset()
-    packed = reduce_across_ranks(packed, op="mean").cpu()
+    packed = distributed.reduce_across_ranks(packed, op="mean").cpu()
     e = routers[0].selection_stats.num_experts
     stats = {}
     for r, row in zip(routers, packed):
@@ -121,7 +121,6 @@ def memory() -> tuple:
     size (``VmRSS``: the high-water mark is reset around checkpoint saves, ``host_memory``)."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated(), "GPU max allocated"
-    from aoe_megatron.train.host_memory import resident_bytes
 
     return resident_bytes(), "host RSS"
 

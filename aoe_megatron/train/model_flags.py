@@ -115,8 +115,8 @@ def _model_keys() -> list:
     dataclasses (torch is imported here: only on a mistyped flag)."""
     from dataclasses import fields
 
-    from aoe_megatron.models.gpt import ModelConfig
-    from aoe_megatron.models.settings import SECTIONS
+    from aoe_megatron.models.gpt import ModelConfig  # deferred: torch loads after --help
+    from aoe_megatron.models.settings import SECTIONS  # deferred: torch loads after --help
 
     keys = [f.name for f in fields(ModelConfig) if f.name not in SECTIONS]
     return keys + [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in fields(cls)]

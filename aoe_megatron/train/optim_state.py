@@ -28,6 +28,9 @@ import warnings
 
 import torch
 
+from aoe_megatron.runtime.distributed import broadcast_from
+from aoe_megatron.train.schedule import Schedule
+
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 """Per parameter: the fp32 master weight and AdamW's two moments."""
 
@@ -206,8 +209,6 @@ def restore_optimizer_state(model, engine, loaded: dict, *, step: int) -> None:
     import torch.distributed as dist
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    from aoe_megatron.runtime.distributed import broadcast_from
-
     _check_engine(engine)
     _adam_state_ready(engine)
     owner, me = owners(model), dist.get_rank()
@@ -238,8 +239,6 @@ def restore_schedule(scheduler, last_epoch: int) -> None:
 
 def schedule_in_force(scheduler):
     """The ``schedule.Schedule`` a LambdaLR runs on (its factor), or None for another factor."""
-    from aoe_megatron.train.schedule import Schedule
-
     factors = getattr(scheduler, "lr_lambdas", None) or [None]
     return factors[0] if isinstance(factors[0], Schedule) else None
 

@@ -12,8 +12,17 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from aoe_megatron.checkpoint.layout import checkpoints
+from aoe_megatron.data.blend import check_manifests, read_manifests
+from aoe_megatron.data.config import DataConfig
+from aoe_megatron.data.integrity import check_datasets
+from aoe_megatron.data.splits import check_splits
+from aoe_megatron.data.tokenizer import sha256_of
 from aoe_megatron.models.gpt import ModelConfig, model_of_preset, preset_dict
+from aoe_megatron.train import wandb_sink
 from aoe_megatron.train.config import TrainConfig, world_size_from_env
+from aoe_megatron.train.engine import check_zero_and_ep
+from aoe_megatron.train.faults import parse_steps
 from aoe_megatron.train.flags import parse_with_preset
 
 
@@ -70,7 +79,6 @@ def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
     steps = cfg.steps(model.seq_length)
     if steps <= 0:
         raise ValueError("the run has no training step")
-    from aoe_megatron.train.faults import parse_steps
 
     beyond = [s for s in parse_steps(cfg.inject_nonfinite) if s > steps]
     if beyond:
@@ -126,7 +134,6 @@ def _check_settings(cfg: TrainConfig) -> None:
     if not cfg.distributed_timeout_minutes > 0:
         raise ValueError(f"--distributed-timeout-minutes must be positive, got "
                          f"{cfg.distributed_timeout_minutes}")
-    from aoe_megatron.train import wandb_sink
 
     wandb_sink.check(cfg)
     _check_checkpoint_folders(cfg)
@@ -138,8 +145,6 @@ def _check_settings(cfg: TrainConfig) -> None:
 def _check_checkpoint_folders(cfg: TrainConfig) -> None:
     """--save/--load as in Megatron-LM, --ckpt-dir for both; a run that would start from scratch
     in a folder of checkpoints is refused rather than write over them."""
-    from aoe_megatron.checkpoint.layout import checkpoints
-
     if cfg.ckpt_dir and (cfg.save or cfg.load):
         raise ValueError(f"--ckpt-dir {cfg.ckpt_dir} means both --save and --load: give either "
                          f"--ckpt-dir or --save/--load")
@@ -161,7 +166,6 @@ def _check_layout(cfg: TrainConfig, model: ModelConfig, world: int) -> None:
                          f"size {ep}")
     if world % ep:
         raise ValueError(f"expert parallel size {ep} does not divide the {world} processes")
-    from aoe_megatron.train.engine import check_zero_and_ep
 
     check_zero_and_ep(cfg.zero_stage, ep)
     if cfg.global_batch_size % (cfg.micro_batch_size * world):
@@ -178,11 +182,6 @@ def _read_data(cfg: TrainConfig, model: ModelConfig, steps: int) -> tuple:
     """(DataConfig, {prefix: manifest}), each file read once; (None, {}) for mock data."""
     if cfg.mock_data:
         return None, {}
-    from aoe_megatron.data.blend import check_manifests, read_manifests
-    from aoe_megatron.data.config import DataConfig
-    from aoe_megatron.data.integrity import check_datasets
-    from aoe_megatron.data.splits import check_splits
-    from aoe_megatron.data.tokenizer import sha256_of
 
     data = DataConfig.from_args(cfg.data, split=cfg.split, train=cfg.train_data_path,
                                 valid=cfg.valid_data_path, test=cfg.test_data_path)

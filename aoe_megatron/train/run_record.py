@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+import aoe_megatron
+from aoe_megatron.models.params import count_parameters
 from aoe_megatron.train import console
 
 
@@ -23,8 +25,6 @@ def record_run(run, run_dir: Path) -> None:
     """Write ``config.json`` and ``run.json`` of ``run`` (a ``train.run.Run``) into ``run_dir``."""
     import deepspeed
     import megatron.core
-
-    import aoe_megatron
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(run.record(), indent=2, default=str) + "\n")
@@ -54,8 +54,6 @@ def start_lines(parts) -> list:
     """What rank 0 says before the first step (``parts``: ``train.setup.Parts``): the resolved
     arguments, the parameters (``models/params.count_parameters``; this rank's from its model),
     the layout."""
-    from aoe_megatron.models.params import count_parameters
-
     run, cfg = parts.run, parts.run.cfg
     counts = count_parameters(run.model)
     device = f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cpu"

@@ -9,10 +9,20 @@ from typing import Any, Optional
 
 import torch
 
+from aoe_megatron.checkpoint import integrity
 from aoe_megatron.checkpoint.model import load_weights
-from aoe_megatron.train import console
+from aoe_megatron.models.gpt import build_gpt_model, transformer_config
+from aoe_megatron.runtime import distributed
+from aoe_megatron.train import checkpoint as ckpt
+from aoe_megatron.train import console, datacheck
+from aoe_megatron.train.balance import biased_routers
+from aoe_megatron.train.batches import Batches
+from aoe_megatron.train.engine import build_engine
+from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
 from aoe_megatron.train.host_memory import gib
+from aoe_megatron.train.metrics import attach_stock_router_stats
 from aoe_megatron.train.run import Run
+from aoe_megatron.train.schedule import run_schedule
 
 
 @dataclass
@@ -45,19 +55,10 @@ def set_up(run: Run, *, rank: int) -> Parts:
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from aoe_megatron.models.gpt import build_gpt_model, transformer_config
-    from aoe_megatron.runtime.distributed import bound_collective_waits, init_megatron
-    from aoe_megatron.train import datacheck
-    from aoe_megatron.train.balance import biased_routers
-    from aoe_megatron.train.batches import Batches
-    from aoe_megatron.train.engine import build_engine
-    from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
-    from aoe_megatron.train.metrics import attach_stock_router_stats
-    from aoe_megatron.train.schedule import run_schedule
-
     cfg, world = run.cfg, run.world_size
-    init_megatron(rank=rank, world_size=world, expert_parallel_size=cfg.expert_parallel_size,
-                  seed=cfg.seed, timeout_minutes=cfg.distributed_timeout_minutes)
+    distributed.init_megatron(rank=rank, world_size=world,
+                              expert_parallel_size=cfg.expert_parallel_size, seed=cfg.seed,
+                              timeout_minutes=cfg.distributed_timeout_minutes)
     bf16 = cfg.bf16()
     extra = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
     if cfg.recompute:
@@ -75,7 +76,7 @@ def set_up(run: Run, *, rank: int) -> Parts:
         lr_schedule=run_schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                                  total_steps=run.steps),  # a resume may retarget it
     )
-    bound_collective_waits(cfg.distributed_timeout_minutes)  # DeepSpeed's groups too
+    distributed.bound_collective_waits(cfg.distributed_timeout_minutes)  # DeepSpeed's groups too
     MoEAuxLossAutoScaler.set_loss_scale(
         torch.tensor(1.0 / run.grad_accum, device=next(model.parameters()).device))
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -103,10 +104,6 @@ def _say(parts: Parts, message: str) -> None:
 def _resume_or_initialise(parts: Parts) -> int:
     """Resume from the newest verified checkpoint in ``--load`` (``--ckpt-dir``), or load
     ``--load-weights``; returns the steps already done."""
-    from aoe_megatron.train import checkpoint as ckpt
-    from aoe_megatron.checkpoint import integrity
-    from aoe_megatron.train import datacheck
-
     run, cfg = parts.run, parts.run.cfg
     state: Optional[dict] = None
     if cfg.save_dir():

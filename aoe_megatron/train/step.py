@@ -8,8 +8,10 @@ from typing import Optional
 
 import torch
 
+from aoe_megatron.moe import loss_tracker
 from aoe_megatron.runtime.distributed import reduce_across_ranks
 from aoe_megatron.train.balance import step_loads, update_biases
+from aoe_megatron.train.batches import lm_loss
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,6 @@ def agree_on_step(loss: torch.Tensor, *, stop_raised: bool,
 
 
 def _aux_loss(grad_accum: int) -> Optional[float]:
-    from aoe_megatron.moe import loss_tracker
-
     values = loss_tracker.layer_values("load_balancing_loss")
     return None if values is None else float(values.sum()) / grad_accum
 
@@ -68,9 +68,6 @@ def _aux_loss(grad_accum: int) -> Optional[float]:
 def train_step(parts, step: int, *, stop_flag, log: bool) -> StepResult:
     """Step ``step`` (from 0) of ``parts`` (``setup.Parts``); ``stop_flag.raised`` is read
     after the optimizer step, so a signal during the step stops the run after it."""
-    from aoe_megatron.moe import loss_tracker
-    from aoe_megatron.train.batches import lm_loss
-
     engine, gas = parts.engine, parts.run.grad_accum
     lr = parts.scheduler.get_last_lr()[0]
     step_loss = 0.0  # on the model's device: no host sync per micro-batch

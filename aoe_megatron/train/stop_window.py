@@ -22,6 +22,9 @@ import os
 import time
 from typing import Callable, Mapping, Optional
 
+from aoe_megatron.checkpoint.layout import checkpoints, read_state
+from aoe_megatron.train.host_memory import gib
+
 WINDOW_VAR = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCHRUN_DEFAULT = 30.0
 """torchrun's wait after SIGTERM when neither its flag nor ``WINDOW_VAR`` says otherwise."""
@@ -86,8 +89,6 @@ def describe(nbytes: Optional[int], seconds: float) -> str:
 def last_recorded_save(ckpt_dir) -> Optional[dict]:
     """The newest checkpoint of ``ckpt_dir`` whose state.json records its save: {"checkpoint",
     "seconds", "bytes", "step_seconds"}; None if none does (or it holds none)."""
-    from aoe_megatron.checkpoint.layout import checkpoints, read_state
-
     for path in reversed(checkpoints(ckpt_dir) if ckpt_dir else []):
         try:
             state = read_state(path)
@@ -128,8 +129,6 @@ class StopWindow:
     def saved(self, step: int, path, *, seconds: float, stats: dict) -> Optional[str]:
         """After a save of ``seconds`` (the whole save, as the loop measured it): the console
         line, the metrics line, and the warning if it would not fit (returned)."""
-        from aoe_megatron.train.host_memory import gib
-
         step_seconds = self.step_seconds(step, less=seconds)
         nbytes, peak = (stats.get("save") or {}).get("bytes"), stats.get("host_peak_bytes")
         self.say(f"saved {path} ({seconds:.1f} s"
