@@ -188,6 +188,20 @@ def test_a_corpus_without_eod_is_refused_before_training(small, tmp_path, capsys
     assert "without an EOD token after each" in capsys.readouterr().err
 
 
+def _wait_listening(port: int, proc, timeout: float = 180) -> None:
+    """Until something listens on TCP ``port`` (rank 0's rendezvous store: /proc/net/tcp's LISTEN
+    state, 0A), however long the imports take on a loaded machine; the process must not end."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            rows = Path(table).read_text().splitlines()[1:] if Path(table).exists() else []
+            if any(r.split()[1].endswith(f":{port:04X}") and r.split()[3] == "0A" for r in rows):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listened on port {port} within {timeout} s")
+
+
 @pytest.mark.slow
 def test_a_process_stuck_before_its_first_step_ends_on_sigint_and_sigterm(tmp_path):
     """Rank 0 of a world of 2 whose peer never comes waits in the rendezvous (C++): SIGINT, and
@@ -195,13 +209,15 @@ def test_a_process_stuck_before_its_first_step_ends_on_sigint_and_sigterm(tmp_pa
     from aoe_megatron.runtime import launch
     from aoe_megatron.runtime.distributed import free_port
 
-    grace, procs = 1.0, {}
+    grace, procs, procs_env = 1.0, {}, {}
     for sig in (signal.SIGINT, signal.SIGTERM):
-        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(free_port()), "AOE_STOP_GRACE_S": str(grace)}
+        env = procs_env[sig] = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                                "AOE_STOP_GRACE_S": str(grace)}
         procs[sig] = launch.start(["--preset", "tiny", "--mock-data", "--train-iters", "2",
                                    "--run-dir", tmp_path / sig.name], env=env, cwd=ROOT)
-    time.sleep(6)  # past the imports, into the rendezvous
+    for sig, proc in procs.items():  # past the imports, into the rendezvous: rank 0 listens
+        _wait_listening(int(procs_env[sig]["MASTER_PORT"]), proc)
     for sig, proc in procs.items():
         assert proc.poll() is None, proc.stdout.read()
         proc.send_signal(sig)
@@ -215,6 +231,19 @@ def test_a_process_stuck_before_its_first_step_ends_on_sigint_and_sigterm(tmp_pa
         assert proc.returncode == 128 + sig, output
         assert f"{sig.name}: ended before the run finished" in output or "ending it now" in output
     assert time.monotonic() - sent < grace + 20
+
+
+def test_shutdown_after_a_signal_during_megatron_cores_imports_loads_nothing():
+    """A SIGINT that lands while megatron-core is still loading (a loaded machine's slow imports)
+    must end the process with the signal's status: shutdown() then finds nothing to tear down
+    and must not import megatron-core again from its half-loaded modules (it did, and that
+    ImportError replaced the signal; here importing it is made to fail outright)."""
+    script = ("import sys; sys.modules['megatron.core'] = None; "
+              "sys.modules.pop('megatron.core.parallel_state', None); "
+              "from aoe_megatron.runtime.distributed import shutdown; shutdown(); print('ok')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_a_checkpoints_data_record_is_found_from_any_folder(small, tmp_path, monkeypatch):

@@ -211,9 +211,13 @@ def bound_collective_waits(timeout_minutes: float) -> None:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
+    """Tear down megatron-core's parallel state and the process group, where set up. Imports
+    nothing: a process stopped while megatron-core was still loading (a SIGINT during the
+    imports) has nothing to tear down, and loading it again from its half-loaded modules fails
+    (then that error, not the signal's exit status, would end the process)."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    initialized = getattr(parallel_state, "model_parallel_is_initialized", None)
+    if initialized is not None and initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
