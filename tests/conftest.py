@@ -148,3 +148,57 @@ def study_data(tmp_path_factory):
     data.write_text(yaml.safe_dump({"blend": [{"prefix": str(root / "train_text_document"), "weight": 1.0}],
                                     "valid_blend": [{"prefix": str(root / "valid_text_document"), "weight": 1.0}]}))
     return data
+
+
+# ---- CPU-seconds per test (self + every waited-for child process), beside pytest's wall times ----
+# This VM has steal time, so wall time alone says little about what a test costs; a test whose CPU
+# is far under its wall time waits (a timeout, a signal, Slurm). `make test` prints the table;
+# AOE_TEST_TIMES=<file> also writes every test's {nodeid: [wall_s, cpu_s]} as JSON.
+
+def _cpu_seconds() -> float:
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+_STARTED: dict = {}
+_TIMES: dict = {}
+
+
+def pytest_runtest_setup(item):
+    import time
+
+    _STARTED[item.nodeid] = (time.monotonic(), _cpu_seconds())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    import time
+
+    report = (yield).get_result()
+    start = _STARTED.get(item.nodeid)
+    if call.when == "teardown" and start is not None:
+        report.user_properties.append(
+            ("wall_cpu_s", (time.monotonic() - start[0], _cpu_seconds() - start[1])))
+
+
+def pytest_runtest_logreport(report):
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "wall_cpu_s":
+            _TIMES[report.nodeid] = [round(float(v), 2) for v in value]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _TIMES:
+        return
+    path = os.environ.get("AOE_TEST_TIMES")
+    if path:
+        Path(path).write_text(json.dumps(_TIMES, indent=1, sort_keys=True) + "\n")
+    wall = sum(w for w, _ in _TIMES.values())
+    cpu = sum(c for _, c in _TIMES.values())
+    terminalreporter.section("wall and CPU seconds (this process and its children)")
+    terminalreporter.write_line(f"{len(_TIMES)} tests: {wall:.0f} s wall, {cpu:.0f} CPU-s in all; "
+                                "the 15 longest by wall:")
+    for nodeid, (w, c) in sorted(_TIMES.items(), key=lambda kv: -kv[1][0])[:15]:
+        terminalreporter.write_line(f"{w:8.1f} s {c:8.1f} CPU-s  {nodeid}")

@@ -104,13 +104,19 @@ def make_transformer_config(*, d_model=16, d_ffn=32, num_experts=4, top_k=2, ep=
 
 
 def build_aoe_layer(tc, *, pg_collection=None, layer_number=1, **aoe_fields):
-    """An AoEMoELayer from a TransformerConfig plus AoE-only fields."""
+    """An AoEMoELayer from a TransformerConfig plus AoE's own fields (and shared ones that
+    override the TransformerConfig's, e.g. alpha_aux, expert_bias)."""
+    from dataclasses import fields
+
     from megatron.core.transformer.spec_utils import build_module
 
-    from aoe_megatron.moe.config import from_transformer_config
+    from aoe_megatron.moe.config import AoEConfig, AoELayerConfig
     from aoe_megatron.models.spec import aoe_mlp_spec
 
-    aoe = from_transformer_config(tc, **aoe_fields)
+    own = {f.name for f in fields(AoEConfig)}
+    aoe = AoELayerConfig.from_megatron(
+        tc, AoEConfig(**{k: v for k, v in aoe_fields.items() if k in own}),
+        **{k: v for k, v in aoe_fields.items() if k not in own})
     layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=layer_number,
                          pg_collection=pg_collection)
     return layer.to(tc.params_dtype)

@@ -1,19 +1,14 @@
-"""AoEConfig validation, the adapter from megatron's TransformerConfig, and model presets."""
+"""AoEConfig / AoELayerConfig validation, the one step from megatron's TransformerConfig, and
+model presets."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+import typing
+from dataclasses import fields, replace
 
 import pytest
 
-from aoe_megatron.moe.config import (
-    AOE_ONLY_FIELDS,
-    MEGATRON_FIELD_MAP,
-    MODEL_FIELDS,
-    AoEConfig,
-    from_transformer_config,
-    with_overrides,
-)
+from aoe_megatron.moe.config import MEGATRON_FIELD_MAP, AoEConfig, AoELayerConfig
 from aoe_megatron.models.gpt import ModelConfig, load_preset
 from aoe_megatron.moe.ops import round_to_multiple
 from tests.helpers import make_transformer_config
@@ -50,17 +45,17 @@ BASE = dict(num_experts=8, top_k=2, d_model=64, d_low=16, d_ffn=128)
 )
 def test_invalid_settings_raise_clear_errors(changes, phrase):
     with pytest.raises(ValueError, match=phrase):
-        AoEConfig(**{**BASE, **changes})
+        AoELayerConfig(**{**BASE, **changes})
 
 
 def test_d_wide_auto_follows_eq5():
-    assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256).resolved_d_wide == 3840
-    assert AoEConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400).resolved_d_wide == 6470
-    assert AoEConfig(**BASE, d_wide=100).resolved_d_wide == 100
+    assert AoELayerConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256).resolved_d_wide == 3840
+    assert AoELayerConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400).resolved_d_wide == 6470
+    assert AoELayerConfig(**BASE, d_wide=100).resolved_d_wide == 100
     # rounded up for aligned GEMMs: 6469.2 -> 6528 (a multiple of 64); 3840 already is one
-    assert AoEConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400,
+    assert AoELayerConfig(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400,
                      d_wide_multiple=64).resolved_d_wide == 6528
-    assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256,
+    assert AoELayerConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256,
                      d_wide_multiple=64).resolved_d_wide == 3840
 
 
@@ -68,47 +63,64 @@ def test_d_wide_rounds_to_the_nearest_multiple():
     """4B: Eq. 5's 6469.2 -> 6464 (101 x 64), expert parameters within 0.1% of the MoE expert's;
     the 732M's 3840 is a multiple of 64 already."""
     four_b = dict(num_experts=8, top_k=2, d_model=1280, d_ffn=5120, d_low=400, d_wide_multiple=64)
-    cfg = AoEConfig(**four_b, d_wide_round="nearest")
+    cfg = AoELayerConfig(**four_b, d_wide_round="nearest")
     assert cfg.resolved_d_wide == 6464
     aoe_params = 1280 * 400 + 6464 * (400 + 2 * 1280)
     assert abs(aoe_params / (3 * 1280 * 5120) - 1) < 1e-3
-    assert AoEConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256, d_wide_multiple=64,
+    assert AoELayerConfig(num_experts=8, top_k=2, d_model=768, d_ffn=3072, d_low=256, d_wide_multiple=64,
                      d_wide_round="nearest").resolved_d_wide == 3840
     assert [round_to_multiple(w, multiple=64, mode="nearest") for w in (95, 96, 97, 10)] == [64, 128, 128, 64]
     with pytest.raises(ValueError, match="d_wide_round 'down'"):
-        AoEConfig(**four_b, d_wide_round="down")
+        AoELayerConfig(**four_b, d_wide_round="down")
 
 
-def test_adapter_maps_every_field():
+def test_the_layer_reads_its_shared_settings_from_the_transformer_config_in_one_step():
     tc = make_transformer_config(d_model=48, d_ffn=96, num_experts=6, top_k=3, ep=2,
                                  dispatcher="allgather", alpha_aux=0.02)
-    aoe = from_transformer_config(tc, d_low=12, d_wide=200, norm="l1",
-                                  selection="softmax_topk", cache_mode="recompute")
+    own = AoEConfig(d_low=12, d_wide=200, norm="l1", selection="softmax_topk", cache_mode="recompute")
+    aoe = AoELayerConfig.from_megatron(tc, own, expert_bias=True, bias_update_rate=0.01)
     assert (aoe.num_experts, aoe.top_k, aoe.d_model, aoe.d_ffn) == (6, 3, 48, 96)
     assert (aoe.alpha_aux, aoe.dispatcher, aoe.expert_parallel_size) == (0.02, "allgather", 2)
-    assert (aoe.d_low, aoe.d_wide, aoe.norm) == (12, 200, "l1")
-    assert (aoe.selection, aoe.cache_mode) == ("softmax_topk", "recompute")
-    # Every AoEConfig field is mapped from megatron, a model-level setting or AoE-only: none is
-    # forgotten.
-    assert set(MEGATRON_FIELD_MAP) | set(MODEL_FIELDS) | set(AOE_ONLY_FIELDS) == {
-        f.name for f in fields(AoEConfig)}
+    assert (aoe.expert_bias, aoe.bias_update_rate) == (True, 0.01)
+    assert aoe.settings == own
+    # Every layer field is AoE's own, read from the TransformerConfig, or the model's expert bias:
+    # none is forgotten, and none of AoE's own is one of the TransformerConfig's.
+    layer = {f.name for f in fields(AoELayerConfig)}
+    assert layer == {f.name for f in fields(AoEConfig)} | set(MEGATRON_FIELD_MAP) | {
+        "expert_bias", "bias_update_rate"}
+    assert not {f.name for f in fields(AoEConfig)} & set(MEGATRON_FIELD_MAP)
     for ours, theirs in MEGATRON_FIELD_MAP.items():
         assert getattr(aoe, ours) == getattr(tc, theirs), ours
 
 
-def test_adapter_refuses_unknown_and_invalid():
+def test_aoes_own_settings_are_typed_choices_checked_alone():
+    """AoEConfig's choices are Literal types, and validation names the same choices."""
+    hints = typing.get_type_hints(AoEConfig)
+    assert typing.get_args(hints["norm"]) == ("l2", "l1", "linf")
+    assert typing.get_args(hints["cache_mode"]) == ("send", "recompute")
+    with pytest.raises(ValueError, match=r"unknown AoE norm 'l3'; choose one of \('l2', 'l1', 'linf'\)"):
+        AoEConfig(norm="l3")
+    with pytest.raises(ValueError, match="positive integer"):
+        AoEConfig(d_low=0)
+    with pytest.raises(TypeError, match="num_experts"):  # a shared setting is not AoE's own
+        AoEConfig(num_experts=8)
+
+
+def test_the_one_step_refuses_unknown_and_invalid():
     tc = make_transformer_config(num_experts=4, top_k=2, ep=1)
-    with pytest.raises(ValueError, match="unknown AoE settings"):
-        from_transformer_config(tc, d_low=4, dlow=4)
+    with pytest.raises(ValueError, match=r"unknown shared AoE layer settings \['dlow'\]"):
+        AoELayerConfig.from_megatron(tc, AoEConfig(d_low=4), dlow=4)
+    with pytest.raises(ValueError, match="AoE's own go in the AoEConfig"):
+        AoELayerConfig.from_megatron(tc, AoEConfig(d_low=4), norm="l1")
     with pytest.raises(ValueError, match="must be smaller than d_model"):
-        from_transformer_config(tc, d_low=tc.hidden_size)
+        AoELayerConfig.from_megatron(tc, AoEConfig(d_low=tc.hidden_size))
 
 
 def test_overrides_are_validated():
-    cfg = AoEConfig(**BASE)
-    assert with_overrides(cfg, norm="linf").norm == "linf"
+    cfg = AoELayerConfig(**BASE)
+    assert replace(cfg, norm="linf").norm == "linf"
     with pytest.raises(ValueError):
-        with_overrides(cfg, top_k=100)
+        replace(cfg, top_k=100)
 
 
 def test_named_presets_are_variants_of_two_bases(tmp_path):

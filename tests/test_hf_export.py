@@ -319,11 +319,11 @@ def test_aoe_expert_bias_crosses_both_ways(corpus, tmp_path, megatron_world):
     is refused, by name, before anything is written."""
     from safetensors.torch import load_file
 
-    from aoe_megatron.hf.configuration_aoe import AoEConfig
+    from aoe_megatron.hf.configuration_aoe import AoEHFConfig
     from aoe_megatron.hf.modeling_aoe import AoEForCausalLM
 
     torch.manual_seed(0)
-    config = AoEConfig(vocab_size=32000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    config = AoEHFConfig(vocab_size=32000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                        num_experts=4, num_experts_per_tok=2, d_low=4, d_wide=24, expert_bias=True)
     hf = AoEForCausalLM(config).eval()
     with torch.no_grad():

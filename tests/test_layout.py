@@ -118,6 +118,17 @@ def test_only_the_checkpoint_room_spells_the_checkpoint_files_names():
     assert {"latest", "last_verified", "state.json", "manifest.json"} <= spelled
 
 
+def test_no_two_modules_define_a_public_class_of_one_name():
+    """A class name says which class it is: the layer's AoEConfig is not the Hugging Face one
+    (AoEHFConfig), nor a checkpoint error another room's."""
+    where = defaultdict(list)
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where[node.name].append(str(path.relative_to(PACKAGE)))
+    assert {name: files for name, files in where.items() if len(files) > 1} == {}
+
+
 def test_no_import_circle():
     edges = _imports(_modules())
     state, cycles = {}, []

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from aoe_megatron.checkpoint import layout
 from aoe_megatron.study import hf_probe, probe
 from tests.helpers import megatron_model, reference_aoe
 
@@ -162,7 +163,7 @@ def test_probe_end_to_end_on_a_trained_checkpoint(aoe_checkpoint, corpus, tmp_pa
         assert np.mean(m["forced_loss_by_norm_rank"]) == pytest.approx(m["forced_loss_mean"], rel=1e-6)
     # the unforced loss is the model's own held-out loss on the same windows
     windows = probe.heldout_windows(str(corpus["data"]), sequences=3, seq_length=64, seed=0)
-    model = megatron_model(probe.resolve_checkpoint(aoe_checkpoint))
+    model = megatron_model(layout.resolve(aoe_checkpoint))
     with torch.no_grad():
         own = model(windows[:, :-1], torch.arange(64).expand(3, 64), None, labels=windows[:, 1:])
     assert result["unforced_loss"] == pytest.approx(own.double().mean().item(), rel=1e-6)

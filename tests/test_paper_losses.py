@@ -127,10 +127,9 @@ def test_gate_init_needs_a_factorized_projection():
     from aoe_megatron.moe.config import AoEConfig
 
     with pytest.raises(ValueError, match="gate_init applies to a factorized projection"):
-        AoEConfig(num_experts=4, top_k=2, d_model=16, d_low=4, d_ffn=32, factorized="none",
-                  gate_init="unfactorized_std")
+        AoEConfig(d_low=4, factorized="none", gate_init="unfactorized_std")
     with pytest.raises(ValueError, match="unknown AoE gate_init"):
-        AoEConfig(num_experts=4, top_k=2, d_model=16, d_low=4, d_ffn=32, gate_init="xavier")
+        AoEConfig(d_low=4, gate_init="xavier")
 
 
 #: Every family of MoE block: AoE and its controls and variants, the stock router, the variant

@@ -1,5 +1,5 @@
-"""One schema (issue #21): a preset's ``aoe:`` section is AoEConfig less the shared settings, its
-``router:`` section is RouterConfig's base, every preset loads, and the renamed ``weight_mode``
+"""One schema (issue #21): a preset's ``aoe:`` section is AoEConfig (AoE's own settings; the
+layer's AoELayerConfig adds the shared ones), its ``router:`` section is RouterConfig's base, every preset loads, and the renamed ``weight_mode``
 (now ``selection``) still loads wherever it was stored: preset YAML, recorded model configs,
 exported Hugging Face config.json files and study specs, whose runs keep their fingerprints."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from aoe_megatron.models.gpt import PRESET_DIR, AoESettings, ModelConfig, RouterSettings, load_preset
-from aoe_megatron.moe.config import AOE_ONLY_FIELDS, MEGATRON_FIELD_MAP, MODEL_FIELDS, AoEConfig
+from aoe_megatron.models.gpt import PRESET_DIR, ModelConfig, RouterSettings, load_preset
+from aoe_megatron.moe.config import MEGATRON_FIELD_MAP, AoEConfig, AoELayerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(PRESET_DIR.rglob("*.yaml"))
@@ -24,17 +24,18 @@ def _default(f):
     return f.default_factory() if f.default_factory is not MISSING else f.default
 
 
-def test_aoe_settings_are_aoe_config_less_the_shared_fields():
-    ours = {f.name: f for f in fields(AoESettings)}
-    theirs = {f.name: f for f in fields(AoEConfig)}
-    assert set(ours) == set(theirs) - set(MEGATRON_FIELD_MAP) - set(MODEL_FIELDS) == set(AOE_ONLY_FIELDS)
-    for name, f in ours.items():  # one to one: same type and default both ways
-        assert (f.type, _default(f)) == (theirs[name].type, _default(theirs[name])), name
-    assert theirs["d_wide"].type == ours["d_wide"].type == "Union[int, str]"
-    # and back: a default preset section fills an AoEConfig to its own defaults
+def test_the_aoe_section_is_aoe_config_and_the_layer_adds_the_shared_fields():
+    assert ModelConfig.__dataclass_fields__["aoe"].default_factory is AoEConfig
+    own = {f.name: f for f in fields(AoEConfig)}
+    layer = {f.name: f for f in fields(AoELayerConfig)}
+    assert issubclass(AoELayerConfig, AoEConfig)
+    assert set(layer) - set(own) == set(MEGATRON_FIELD_MAP) | {"expert_bias", "bias_update_rate"}
+    for name, f in own.items():  # inherited: one declaration, the same type and default
+        assert (f.type, _default(f)) == (layer[name].type, _default(layer[name])), name
+    # and back: a default preset section fills a layer config to its own defaults
     shared = dict(num_experts=8, top_k=2, d_model=768, d_ffn=3072)
-    assert AoEConfig(**shared, **asdict(AoESettings())) == AoEConfig(**shared)
-    assert "AoEConfig" in AoESettings.__doc__
+    assert AoELayerConfig(**shared, **asdict(AoEConfig())) == AoELayerConfig(**shared)
+    assert AoELayerConfig(**shared).settings == AoEConfig()
 
 
 def test_router_config_is_router_settings_plus_the_shared_fields():
@@ -116,7 +117,7 @@ def test_old_key_in_a_recorded_model_config():
 
 def test_old_key_in_an_exported_hugging_face_config(tmp_path):
     pytest.importorskip("transformers")
-    from aoe_megatron.hf.configuration_aoe import AoEConfig as HFAoEConfig
+    from aoe_megatron.hf.configuration_aoe import AoEHFConfig as HFAoEConfig
     from aoe_megatron.hf.from_hf import hf_model_config as _hf_model_config
 
     new = HFAoEConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, num_experts=4,

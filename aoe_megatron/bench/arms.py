@@ -16,7 +16,7 @@ from aoe_megatron.bench import flops as fl
 from aoe_megatron.bench.mcore_grouped import unavailable_reason
 from aoe_megatron.bench.names import ARM_FIELDS
 from aoe_megatron.moe import loss_tracker
-from aoe_megatron.moe.config import from_transformer_config
+from aoe_megatron.moe.config import AoEConfig, AoELayerConfig
 from aoe_megatron.moe.grouped import grouped_mm_supports
 from aoe_megatron.moe.ops import d_wide_for_parity, round_to_multiple
 
@@ -109,7 +109,7 @@ def build_aoe(tc, shape: LayerShape, *, device: str, **aoe_fields):
 
     from aoe_megatron.models.spec import aoe_mlp_spec  # deferred: megatron-core loads at build
 
-    aoe = from_transformer_config(tc, d_low=shape.d_low, **aoe_fields)
+    aoe = AoELayerConfig.from_megatron(tc, AoEConfig(d_low=shape.d_low, **aoe_fields))
     layer = build_module(aoe_mlp_spec(aoe), config=tc, layer_number=1)
     return layer.to(device=device, dtype=tc.params_dtype)
 

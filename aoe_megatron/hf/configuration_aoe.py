@@ -13,7 +13,7 @@ NORM_ORDERS = ("l2", "l1", "linf")
 SELECTIONS = ("topk_softmax", "softmax_topk")
 
 
-class AoEConfig(PretrainedConfig):
+class AoEHFConfig(PretrainedConfig):
     r"""A Llama-style decoder (RMSNorm, RoPE, no biases) whose MLPs are AoE layers (arXiv 2501.13074).
 
     Per layer and token x: every expert i computes its cache C_i = x W_down^i (width ``d_low``);
@@ -92,4 +92,4 @@ class AoEConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-__all__ = ["AoEConfig"]
+__all__ = ["AoEHFConfig"]

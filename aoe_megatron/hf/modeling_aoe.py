@@ -43,7 +43,7 @@ from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .configuration_aoe import AoEConfig
+from .configuration_aoe import AoEHFConfig
 
 
 class AoERMSNorm(nn.Module):
@@ -59,7 +59,7 @@ class AoERMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def _inv_freq(config: AoEConfig) -> torch.Tensor:
+def _inv_freq(config: AoEHFConfig) -> torch.Tensor:
     dim = config.head_dim
     return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
 
@@ -67,7 +67,7 @@ def _inv_freq(config: AoEConfig) -> torch.Tensor:
 class AoERotaryEmbedding(nn.Module):
     """Rotary position embedding over the whole head (non-interleaved halves, as megatron-core)."""
 
-    def __init__(self, config: AoEConfig):
+    def __init__(self, config: AoEHFConfig):
         super().__init__()
         self.register_buffer("inv_freq", _inv_freq(config), persistent=False)
 
@@ -103,7 +103,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
 
 
 class AoEAttention(nn.Module):
-    def __init__(self, config: AoEConfig, layer_idx: int):
+    def __init__(self, config: AoEHFConfig, layer_idx: int):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
@@ -142,7 +142,7 @@ def expert_norms(cache: torch.Tensor, order: str) -> torch.Tensor:
 class AoEMLP(nn.Module):
     """The AoE layer: experts rank themselves by the norm of their low-rank cache (no router)."""
 
-    def __init__(self, config: AoEConfig):
+    def __init__(self, config: AoEHFConfig):
         super().__init__()
         d, e, r, w = config.hidden_size, config.num_experts, config.d_low, config.d_wide
         self.num_experts, self.top_k, self.d_low = e, config.num_experts_per_tok, r
@@ -183,7 +183,7 @@ class AoEMLP(nn.Module):
 
 
 class AoEDecoderLayer(nn.Module):
-    def __init__(self, config: AoEConfig, layer_idx: int):
+    def __init__(self, config: AoEHFConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = AoERMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = AoEAttention(config, layer_idx)
@@ -198,8 +198,8 @@ class AoEDecoderLayer(nn.Module):
 
 
 class AoEPreTrainedModel(PreTrainedModel):
-    config_class = AoEConfig
-    config: AoEConfig
+    config_class = AoEHFConfig
+    config: AoEHFConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["AoEDecoderLayer"]
@@ -225,7 +225,7 @@ class AoEPreTrainedModel(PreTrainedModel):
 
 
 class AoEModel(AoEPreTrainedModel):
-    def __init__(self, config: AoEConfig):
+    def __init__(self, config: AoEHFConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList(AoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
@@ -259,7 +259,7 @@ class AoEModel(AoEPreTrainedModel):
 class AoEForCausalLM(AoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
-    def __init__(self, config: AoEConfig):
+    def __init__(self, config: AoEHFConfig):
         super().__init__(config)
         self.model = AoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -193,13 +193,13 @@ def _hf_config(cfg, *, num_query_groups: int, d_wide: int, dtype: torch.dtype, t
     )
     if cfg.arch == "aoe":
         from aoe_megatron.hf.configuration_aoe import (  # deferred: only exports load transformers
-            AoEConfig)
+            AoEHFConfig)
 
-        config = AoEConfig(num_experts=cfg.num_experts, d_low=cfg.aoe.d_low, d_wide=d_wide,
-                           norm=cfg.aoe.norm, selection=cfg.aoe.selection,
-                           expert_bias=cfg.expert_bias, rope_theta=ROPE_THETA,
-                           architectures=["AoEForCausalLM"], **common)
-        config.auto_map = {"AutoConfig": "configuration_aoe.AoEConfig",
+        config = AoEHFConfig(num_experts=cfg.num_experts, d_low=cfg.aoe.d_low, d_wide=d_wide,
+                             norm=cfg.aoe.norm, selection=cfg.aoe.selection,
+                             expert_bias=cfg.expert_bias, rope_theta=ROPE_THETA,
+                             architectures=["AoEForCausalLM"], **common)
+        config.auto_map = {"AutoConfig": "configuration_aoe.AoEHFConfig",
                            "AutoModelForCausalLM": "modeling_aoe.AoEForCausalLM"}
     else:
         from transformers import MixtralConfig

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from aoe_megatron.models.settings import (  # noqa: F401  (AoESettings, RouterSettings: their home)
+from aoe_megatron.models.settings import (  # noqa: F401  (RouterSettings: its home)
     SECTIONS,
-    AoESettings,
     RouterSettings,
     section_from_dict,
     upgrade_sections,
 )
-from aoe_megatron.moe.config import AoEConfig, from_transformer_config
+from aoe_megatron.moe.config import AoEConfig, AoELayerConfig
 from aoe_megatron.runtime import resources
 from aoe_megatron.runtime.compat import fused_softmax_available
 
@@ -54,7 +52,8 @@ class ModelConfig:
     bias_update_rate: float = 1e-3
     """How far each expert's bias moves per step (DeepSeek-V3's gamma; megatron-core's default)."""
     dispatcher: str = "alltoall"
-    aoe: AoESettings = field(default_factory=AoESettings)
+    aoe: AoEConfig = field(default_factory=AoEConfig)
+    """arch "aoe" only: AoE's own settings (the layer's shared ones are the fields above)."""
     router: RouterSettings = field(default_factory=RouterSettings)
     """arch "moe" only: the router variant (the default is megatron-core's TopKRouter)."""
 
@@ -100,17 +99,17 @@ class ModelConfig:
         return RouterConfig(num_experts=self.num_experts, top_k=self.top_k, d_model=self.hidden_size,
                             alpha_aux=self.alpha_aux, vocab_size=self.vocab_size, **asdict(self.router))
 
-    def aoe_config(self, expert_parallel_size: int = 1, *, tc=None) -> AoEConfig:
-        """The AoE layers' AoEConfig: the one way from a model config (build_gpt_model uses it).
-
-        The shared settings come from ``tc``, the megatron TransformerConfig the model is built
-        with, when given (its expert_model_parallel_size, not ``expert_parallel_size``), else
-        from this config as ``transformer_config`` would map them; the rest is ``self.aoe``.
-        """
-        if tc is None:
-            tc = SimpleNamespace(**_megatron_moe_settings(self, expert_parallel_size))
-        return from_transformer_config(tc, **asdict(self.aoe), expert_bias=self.expert_bias,
-                                       bias_update_rate=self.bias_update_rate)
+    def aoe_config(self, expert_parallel_size: int = 1, *, tc=None) -> AoELayerConfig:
+        """The AoE layers' settings (build_gpt_model uses it): from ``tc``, the megatron
+        TransformerConfig the model is built with, when given (its expert_model_parallel_size,
+        not ``expert_parallel_size``), else from this config directly; AoE's own are ``self.aoe``."""
+        bias = dict(expert_bias=self.expert_bias, bias_update_rate=self.bias_update_rate)
+        if tc is not None:
+            return AoELayerConfig.from_megatron(tc, self.aoe, **bias)
+        return AoELayerConfig(
+            **asdict(self.aoe), **bias, num_experts=self.num_experts, top_k=self.top_k,
+            d_model=self.hidden_size, d_ffn=self.ffn_hidden_size, alpha_aux=self.alpha_aux,
+            dispatcher=self.dispatcher, expert_parallel_size=expert_parallel_size)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -192,28 +191,25 @@ def model_of_preset(preset: dict, **overrides) -> ModelConfig:
     return cfg.with_overrides(**overrides) if overrides else cfg
 
 
-def _megatron_moe_settings(cfg: ModelConfig, expert_parallel_size: int) -> dict:
-    """The TransformerConfig settings a model shares with its MoE layers, in megatron's names (what
-    moe.config.MEGATRON_FIELD_MAP reads back)."""
-    return dict(hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
-                num_moe_experts=cfg.num_experts, moe_router_topk=cfg.top_k,
-                moe_ffn_hidden_size=cfg.ffn_hidden_size, moe_aux_loss_coeff=cfg.alpha_aux,
-                moe_token_dispatcher_type=cfg.dispatcher,
-                expert_model_parallel_size=expert_parallel_size)
-
-
 def transformer_config(cfg: ModelConfig, *, expert_parallel_size: int = 1, **extra):
     """megatron-core TransformerConfig for ``cfg``; ``extra`` passes further megatron settings."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_gpu = torch.cuda.is_available()
     kwargs = dict(
-        **_megatron_moe_settings(cfg, expert_parallel_size),
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.top_k,
+        moe_ffn_hidden_size=cfg.ffn_hidden_size,
+        moe_aux_loss_coeff=cfg.alpha_aux,
+        moe_token_dispatcher_type=cfg.dispatcher,
+        expert_model_parallel_size=expert_parallel_size,
         num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         moe_router_pre_softmax=cfg.top_k == 1,  # megatron-core requires it for top-1
         moe_router_load_balancing_type="aux_loss" if cfg.alpha_aux > 0 else "none",
-        # megatron-core's expert bias (stock MoE only; AoE's bias is its own: AoEConfig).
+        # megatron-core's expert bias (stock MoE only; AoE's bias is its own: AoELayerConfig).
         moe_router_score_function=cfg.router.score_function,
         moe_router_enable_expert_bias=cfg.arch == "moe" and cfg.expert_bias,
         moe_router_bias_update_rate=cfg.bias_update_rate,

@@ -29,7 +29,7 @@ GATES = ("linear", "two_layer", "hash")
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig(RouterSettings):
     """A traditional-MoE router: a preset's ``router:`` section (RouterSettings: the gate and its
-    selection, documented there) plus the settings it shares with the model (as AoEConfig's)."""
+    selection, documented there) plus the settings it shares with the model (as AoELayerConfig's)."""
 
     num_experts: int
     top_k: int

@@ -1,46 +1,12 @@
-"""The per-layer sections of a model preset: ``aoe:`` (AoESettings) and ``router:`` (RouterSettings).
-
-One schema: AoESettings is AoEConfig (aoe_megatron.moe.config) less the settings a model shares
-with its layers, generated from AoEConfig's fields, so names, types, defaults and documentation
-live in one place. RouterSettings is the base of the router variants' RouterConfig
-(aoe_megatron.models.moe_router), which adds the shared settings the same way.
-"""
+"""The per-layer sections of a model preset: ``aoe:`` (AoEConfig, aoe_megatron.moe.config: AoE's
+own settings) and ``router:`` (RouterSettings, the traditional-MoE router's own; the router
+variants' RouterConfig, aoe_megatron.models.moe_router, adds what it shares with the model)."""
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields, make_dataclass
-from typing import Union  # noqa: F401  (AoEConfig's field types name it)
+from dataclasses import dataclass, field, fields
 
-from aoe_megatron.moe.config import MEGATRON_FIELD_MAP, MODEL_FIELDS, AoEConfig, upgrade_legacy_keys
-
-
-def _section_of(config_cls, *, shared, name: str, doc: str):
-    """A frozen keyword-only dataclass with ``config_cls``'s fields, types and defaults, less
-    ``shared``."""
-    specs = []
-    for f in fields(config_cls):
-        if f.name in shared:
-            continue
-        if f.default is not MISSING:
-            spec = field(default=f.default)
-        elif f.default_factory is not MISSING:
-            spec = field(default_factory=f.default_factory)
-        else:
-            spec = field()
-        specs.append((f.name, f.type, spec))
-    cls = make_dataclass(name, specs, frozen=True, kw_only=True)
-    cls.__module__, cls.__qualname__, cls.__doc__ = __name__, name, doc
-    return cls
-
-
-AoESettings = _section_of(
-    AoEConfig, shared=(*MEGATRON_FIELD_MAP, *MODEL_FIELDS), name="AoESettings",
-    doc="""The AoE-only part of a model preset (its ``aoe:`` section): AoEConfig's fields with their
-    names, types and defaults, less those a model shares with its layers (``MEGATRON_FIELD_MAP``:
-    num_experts, top_k, d_model, d_ffn, alpha_aux and dispatcher are ModelConfig's; the run sets
-    expert_parallel_size; ``MODEL_FIELDS``: expert_bias, bias_update_rate are ModelConfig's too). Each field is documented on ``aoe_megatron.moe.config.AoEConfig``;
-    ``ModelConfig.aoe_config`` builds that config from a preset.""",
-)
+from aoe_megatron.moe.config import AoEConfig, upgrade_legacy_keys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +43,7 @@ class RouterSettings:
 
 
 #: A preset's ``model:`` sections and their schemas.
-SECTIONS = {"aoe": AoESettings, "router": RouterSettings}
+SECTIONS = {"aoe": AoEConfig, "router": RouterSettings}
 
 
 def upgrade_sections(model: dict, *, where: str = "model settings") -> dict:

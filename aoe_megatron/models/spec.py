@@ -19,7 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from aoe_megatron.models.moe_router import VariantMoELayer, VariantRouter
 from aoe_megatron.runtime.compat import transformer_engine_usable
-from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.config import AoELayerConfig
 from aoe_megatron.moe.experts import AoEExperts
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, rng_untouched
 from aoe_megatron.moe.layer import AoEMoELayer
@@ -204,7 +204,7 @@ def moe_layer_spec(num_experts: int, *, use_te: bool | None = None, router=None)
     return spec
 
 
-def aoe_mlp_spec(aoe: AoEConfig) -> ModuleSpec:
+def aoe_mlp_spec(aoe: AoELayerConfig) -> ModuleSpec:
     """The AoE MoE layer as an ``mlp`` submodule spec."""
     return ModuleSpec(
         module=AoEMoELayer,
@@ -216,7 +216,7 @@ def aoe_mlp_spec(aoe: AoEConfig) -> ModuleSpec:
     )
 
 
-def aoe_layer_spec(aoe: AoEConfig, *, use_te: bool | None = None) -> ModuleSpec:
+def aoe_layer_spec(aoe: AoELayerConfig, *, use_te: bool | None = None) -> ModuleSpec:
     """A transformer layer with attention as in the stock spec and the AoE layer as its MLP."""
     spec = moe_layer_spec(aoe.num_experts, use_te=use_te)
     spec.submodules.mlp = aoe_mlp_spec(aoe)

@@ -22,7 +22,7 @@ from megatron.core.transformer.module import MegatronModule
 from aoe_megatron.moe import grouped
 from aoe_megatron.moe import autograd
 from aoe_megatron.moe import ops
-from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.config import AoELayerConfig
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 
 #: (parameter name, weight slot for seeding) of the stacked expert weights.
@@ -33,7 +33,7 @@ class AoEExperts(MegatronModule):
     """This rank's AoE experts: w_up [L, R, W], w_p [L, D, W], w_o [L, W, D]."""
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, name=None, *,
-                 aoe: AoEConfig):  # name: megatron-core 0.18+ passes it (unused)
+                 aoe: AoELayerConfig):  # name: megatron-core 0.18+ passes it (unused)
         super().__init__(config)
         self.aoe = aoe
         self.num_local_experts = num_local_experts

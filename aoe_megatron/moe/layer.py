@@ -15,18 +15,18 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from aoe_megatron.moe import ops
-from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.config import AoELayerConfig
 from aoe_megatron.moe.dispatcher import AoEAllGatherTokenDispatcher, AoEAlltoAllTokenDispatcher
 from aoe_megatron.moe.selection import select_experts, selects_top_k_per_token
 from aoe_megatron.runtime.versions import constructor_kwargs, refuse_mtp
 
 
-def _check_supported(config, aoe: AoEConfig, pg_collection) -> None:
+def _check_supported(config, aoe: AoELayerConfig, pg_collection) -> None:
     ep = mcore_utils.get_pg_size(pg_collection.ep)
     if ep != aoe.expert_parallel_size:
         raise ValueError(
             f"the AoE config says expert_parallel_size={aoe.expert_parallel_size} but the expert "
-            f"parallel group has {ep} ranks; build the AoEConfig from the same TransformerConfig."
+            f"parallel group has {ep} ranks; build the AoELayerConfig from the same TransformerConfig."
         )
     if mcore_utils.get_pg_size(pg_collection.expt_tp) > 1 or mcore_utils.get_pg_size(pg_collection.tp) > 1:
         raise ValueError("AoE layers support tensor parallel size 1 only (use EP and DP to scale).")
@@ -50,7 +50,7 @@ class AoEMoELayer(MoELayer):
         is_mtp_layer: bool = False,
         name: Optional[str] = None,
         *,
-        aoe: AoEConfig,
+        aoe: AoELayerConfig,
     ):
         # NOTE: TransformerLayer passes pg_collection only to MoELayer itself, not to subclasses,
         # so fetch the defaults here (MoELayer would do the same).

@@ -17,7 +17,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
 from aoe_megatron.moe import autograd, loss_tracker
 from aoe_megatron.moe import ops
-from aoe_megatron.moe.config import AoEConfig
+from aoe_megatron.moe.config import AoELayerConfig
 from aoe_megatron.moe.seeding import draw_module_seed, expert_normal_, target_device
 from aoe_megatron.moe.selection import select_experts
 from aoe_megatron.moe.selection_stats import SelectionStats
@@ -38,7 +38,7 @@ class SelectionRouter(MegatronModule):
     """Scores [T, E] -> a registered selection strategy -> (probs, routing_map), with L_aux (Eq. 6
     for AoE, Eq. 2 for MoE: the same formula), the Ent_conf regularizer, Switch jitter and the
     selection statistics since the last logged step (``selection_stats``). ``settings`` has num_experts, top_k, selection,
-    selection_options, alpha_aux, ent_conf_coeff and input_jitter (an AoEConfig, for one)."""
+    selection_options, alpha_aux, ent_conf_coeff and input_jitter (an AoELayerConfig, for one)."""
 
     def __init__(self, config, settings) -> None:
         super().__init__(config)
@@ -107,7 +107,7 @@ class AoERouter(SelectionRouter):
     paper's Config 3 "factorized W_g").
     """
 
-    def __init__(self, *, config, pg_collection=None, aoe: AoEConfig, is_mtp_layer: bool = False) -> None:
+    def __init__(self, *, config, pg_collection=None, aoe: AoELayerConfig, is_mtp_layer: bool = False) -> None:
         refuse_mtp(is_mtp_layer, "The AoE router")  # megatron-core 0.17+ passes is_mtp_layer
         super().__init__(config, aoe)
         self.aoe = aoe

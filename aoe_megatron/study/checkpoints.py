@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -21,19 +20,11 @@ class StudyInputError(ValueError):
     """Bad input to the study's tools (their command lines exit with 2)."""
 
 
-def resolve_checkpoint(path) -> Path:
-    """A checkpoint (a step folder), or a checkpoint folder (the one its ``latest`` names)."""
-    try:
-        return layout.resolve(path)
-    except layout.CheckpointNotFound as err:
-        raise StudyInputError(str(err)) from None
-
-
 def open_checkpoint(path, *, what: str, verify: bool = True) -> tuple:
     """(step_dir, state) of a checkpoint or ckpt dir (its latest), verified before anything of it
     is read: ``integrity.CheckpointDamaged`` (a ValueError: the tools exit 2) names each damaged
     file; ``verify=False`` (--no-verify) reads it unchecked, with a warning on stderr."""
-    step_dir = resolve_checkpoint(path)
+    step_dir = layout.resolve(path)  # CheckpointNotFound: a ValueError, as StudyInputError
     require_verified(step_dir, verify=verify, what=what,
                      log=lambda msg: print(msg, file=sys.stderr, flush=True))
     return step_dir, layout.read_state(step_dir)

@@ -34,7 +34,6 @@ from aoe_megatron.study.checkpoints import (  # noqa: F401 (the probe's public h
     heldout_windows,
     megatron_world,
     open_checkpoint,
-    resolve_checkpoint,
 )
 
 INTERVENTION = (
