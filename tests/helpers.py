@@ -138,14 +138,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ----------------------------------------------------------------------------- the tiny run
 #: The tiny run of tests/test_train.py and tests/test_kill.py: world 2 / EP 2 (two processes).
-TINY_RUN = {"preset": "tiny", "expert_parallel_size": 2, "global_batch_size": 4,
-            "micro_batch_size": 1, "warmup_steps": 3, "lr": 3e-3, "eval_interval": 4,
+TINY_RUN = {"preset": "tiny", "expert_model_parallel_size": 2, "global_batch_size": 4,
+            "micro_batch_size": 1, "lr_warmup_iters": 3, "lr": 3e-3, "eval_interval": 4,
             "eval_iters": 2, "log_interval": 1, "zero_stage": 2}
 
 
 def tiny_run_args(**changes) -> list:
     """The entry point's flags for ``TINY_RUN`` with ``changes`` (settings by their preset keys:
-    ``train_steps=8`` -> ``--train-iters 8``), on --mock-data: these runs test the machinery,
+    ``train_iters=8`` -> ``--train-iters 8``), on --mock-data: these runs test the machinery,
     not learning."""
     from aoe_megatron.train.flags import flag
 

@@ -63,7 +63,7 @@ def test_every_console_script_resolves_to_a_callable():
     scripts = _scripts()
     assert {name: f"aoe_megatron.cli.{m}:main" for m, name in COMMANDS.items()}.items() <= \
         scripts.items()
-    assert scripts["aoe-train"] == "aoe_megatron.train.command:main"
+    assert scripts["aoe-train"] == "aoe_megatron.cli.train:main"
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name

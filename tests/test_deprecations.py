@@ -74,7 +74,8 @@ def test_the_changelog_lists_each_deprecation_with_its_release():
     assert text.startswith("# Changelog") and "keepachangelog.com" in text
     released = re.search(r"^## \[(\d+\.\d+\.\d+)\]", text, re.M)
     assert released and released[1] == aoe_megatron.__version__
-    section = text.split("### Deprecated", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+    section = "\n".join(part.split("\n## ", 1)[0].split("\n### ", 1)[0]  # every release's
+                        for part in text.split("### Deprecated")[1:])
     for d in DEPRECATIONS:
         line = next((x for x in section.splitlines() if f"`{d.old}`" in x), None)
         assert line is not None, f"CHANGELOG.md's Deprecated section does not name {d.old}"

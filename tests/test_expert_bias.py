@@ -198,7 +198,7 @@ def _bias_run(out, arch: str, *extra, save: bool = True) -> list:
     from tests.helpers import tiny_run_args
 
     nproc, flags = BIAS_RUNS[arch]
-    done = launch.run([*tiny_run_args(train_steps=3, expert_parallel_size=nproc, eval_interval=0,
+    done = launch.run([*tiny_run_args(train_iters=3, expert_model_parallel_size=nproc, eval_interval=0,
                                       save_interval=3 if save else 0, zero_stage=1),
                        "--set", "bias_update_rate=0.01", *flags, *extra,
                        *(["--save", out / arch] if save else []), "--run-dir", out / f"run_{arch}"],

@@ -79,7 +79,9 @@ def test_an_alias_and_set_of_the_same_key_are_refused():
     (["--d_low", "8"], "--d_low: did you mean --set aoe.d_low=VALUE"),
     (["--aoe.selection=top_p"], "did you mean --set aoe.selection=VALUE"),
     (["--warmup_steps", "3"], "--warmup_steps: did you mean --lr-warmup-iters (the preset's "
-                              "train key warmup_steps)?"),
+                              "train key lr_warmup_iters, formerly warmup_steps)?"),
+    (["--lr_warmup_iters", "3"], "--lr_warmup_iters: did you mean --lr-warmup-iters (the "
+                                 "preset's train key lr_warmup_iters)?"),
     (["--save-intervall", "3"], "--save-intervall: did you mean --save-interval?"),
 ])
 def test_an_unknown_flag_gets_a_sentence_not_the_usage(argv, says, capsys):

@@ -128,3 +128,57 @@ def test_save_alone_into_a_folder_of_checkpoints_is_refused(tmp_path, capsys):
     assert not (tmp_path / "b").exists()
     cfg = flags.parse_train_args([*common, "--ckpt-dir", "c"])
     assert (cfg.save_dir(), cfg.load_dir()) == ("c", "c")
+
+
+def test_train_settings_are_validated_where_they_are_declared():
+    """TrainConfig checks its values in __post_init__ (whoever builds it: the flags, a test, a
+    study); a setting with fixed values is a Literal, and the help's metavar and the check read
+    the same values."""
+    from dataclasses import replace
+
+    from aoe_megatron.train.config import CHOICES, TrainConfig
+
+    ok = TrainConfig(preset="tiny", train_iters=2, mock_data=True, inject_nonfinite="5,3")
+    assert ok.nonfinite_steps == (3, 5)
+    assert CHOICES == {"arch": ("aoe", "moe"), "zero_stage": (1, 2, 3),
+                       "precision": ("auto", "bf16", "fp32"), "grad_accum_dtype": ("fp32", "bf16")}
+    for changes, phrase in [({"zero_stage": 4}, "--zero-stage must be one of 1, 2, 3, got 4"),
+                            ({"precision": "fp16"}, "--precision must be one of auto, bf16, fp32"),
+                            ({"arch": "dense"}, "--arch must be one of aoe, moe"),
+                            ({"micro_batch_size": 0}, "--micro-batch-size must be positive"),
+                            ({"train_tokens": 10}, "exactly one of --train-iters and --train-tokens"),
+                            ({"save_interval": -1}, "--save-interval must be >= 0"),
+                            ({"inject_nonfinite": "3,x"}, "expected step numbers from 1"),
+                            ({"ckpt_dir": "c", "save": "s"}, "means both --save and --load"),
+                            ({"data_path": ("d",)}, "--data-path and --mock-data exclude each other")]:
+        with pytest.raises(ValueError, match=re.escape(phrase)):
+            replace(ok, **changes)
+    text = flags.parser().format_help()
+    assert "--zero-stage {1,2,3}" in text and "--precision {auto,bf16,fp32}" in text
+
+
+def test_a_presets_old_train_keys_load_with_a_warning(tmp_path):
+    import yaml
+
+    from aoe_megatron.models.gpt import preset_dict
+
+    preset = preset_dict("tiny")
+    preset["train"] = {"train_steps": 7, "warmup_steps": 2, "recompute": True,
+                       "expert_parallel_size": 1, "data": "run/data-shakespeare.yaml"}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(preset))
+    with pytest.warns(DeprecationWarning) as caught:
+        cfg = flags.parse_train_args(["--preset", str(path)])
+    assert (cfg.train_iters, cfg.lr_warmup_iters, cfg.moe_layer_recompute) == (7, 2, True)
+    assert cfg.expert_model_parallel_size == 1 and cfg.data_path == ("run/data-shakespeare.yaml",)
+    notices = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert any("train_steps is deprecated: use train_iters (it still loads)" in n for n in notices)
+    assert len([n for n in notices if "is deprecated" in n]) == 5
+    preset["train"]["train_iters"] = 7
+    path.write_text(yaml.safe_dump(preset))
+    with pytest.raises(ValueError, match="sets both 'train_steps' and 'train_iters'"):
+        flags.parse_train_args(["--preset", str(path)])
+    # a variant with the old key over a base that has the new one (tiny: lr_warmup_iters)
+    path.write_text(yaml.safe_dump({"base": "tiny", "train": {"warmup_steps": 9, "train_steps": 3}}))
+    with pytest.warns(DeprecationWarning):
+        assert flags.parse_train_args(["--preset", str(path)]).lr_warmup_iters == 9

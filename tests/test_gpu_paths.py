@@ -162,7 +162,7 @@ def test_softmax_fusion_is_off_on_cpu():
 def test_local_rank_maps_onto_the_devices_a_task_sees(fake_cuda, monkeypatch):
     """srun with one task per GPU: task 3 of a node sees one device, its device 0; DeepSpeed then
     reads the corrected LOCAL_RANK."""
-    from aoe_megatron.train.config import adopt_slurm_env
+    from aoe_megatron.train.launcher_env import adopt_slurm_env
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # set first: undone at the end either way
         monkeypatch.setenv(key, "")
@@ -181,7 +181,7 @@ def test_local_rank_maps_onto_the_devices_a_task_sees(fake_cuda, monkeypatch):
 def test_reading_the_world_size_writes_nothing(monkeypatch):
     """A bare srun: the world size comes from SLURM_NTASKS, and asking for it leaves the
     environment as it was (``adopt_slurm_env``, called once by the entry point, writes it)."""
-    from aoe_megatron.train.config import world_size_from_env
+    from aoe_megatron.train.launcher_env import world_size_from_env
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.setenv(key, "")

@@ -81,8 +81,10 @@ def test_every_room_imports_only_the_rooms_below_it():
     top_level = {m for m in modules if m.count(".") == 1 and (PACKAGE / f"{_room(m)}.py").is_file()}
     assert rooms - set(ALLOWED) == {_room(m) for m in top_level}, "a room without a rule"
     edges = _imports(modules)
+    # A room's __main__ is a command's entry point (``python -m aoe_megatron.train``): above
+    # every room, as cli/ is.
     wrong = [f"{a} imports {b}" for a, targets in edges.items() for b in targets
-             if _room(a) in ALLOWED and b not in LEAVES
+             if _room(a) in ALLOWED and b not in LEAVES and not a.endswith(".__main__")
              and _room(b) not in ALLOWED[_room(a)] | {_room(a), ""}]
     assert not wrong, wrong
     assert not any(edges.get(leaf) for leaf in LEAVES), {leaf: edges.get(leaf) for leaf in LEAVES}
@@ -153,7 +155,7 @@ def test_no_import_circle():
 #: built, transformers only for an export, ``runtime.spawn``'s children start without torch,
 #: ``compat`` runs before ``import aoe_megatron`` loads the patches. A ceiling: the count may only
 #: go down (lower it when one moves to the top).
-DEFERRED_OWN_IMPORTS = 42
+DEFERRED_OWN_IMPORTS = 41
 
 
 def _own_imports_in_functions(path: Path) -> list:

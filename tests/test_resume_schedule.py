@@ -136,13 +136,17 @@ def test_both_flags_are_refused_before_any_process_group(tmp_path, capsys, monke
 def test_a_checkpoint_without_a_schedule_record_is_judged_by_its_config():
     """Checkpoints written before the record: the schedule their config derives (--train-tokens
     in steps, warm-up cut to total - 1) is what they trained on."""
-    config = {"train": {"lr": PEAK, "min_lr": FINAL, "warmup_steps": 30, "train_steps": None,
+    config = {"train": {"lr": PEAK, "min_lr": FINAL, "lr_warmup_iters": 30, "train_iters": None,
                         "train_tokens": 1000, "global_batch_size": 4},
               "model": {"seq_length": 64}}
     old = {"config": config, "step": 2, "scheduler_last_epoch": 2}
     assert saved_schedule(old).record() == {"lr": PEAK, "min_lr": FINAL, "warmup_steps": 3,
                                             "total_steps": 4}
     assert check_schedule(old, config, "ck/step_00000002") == (None, None)
+    # a record written before the train keys took Megatron-LM's names reads the same
+    before = {"train": {"lr": PEAK, "min_lr": FINAL, "warmup_steps": 30, "train_steps": None,
+                        "train_tokens": 1000, "global_batch_size": 4}, "model": {"seq_length": 64}}
+    assert saved_schedule({**old, "config": before}).record() == saved_schedule(old).record()
     longer = {"train": {**config["train"], "train_tokens": 2000, "min_lr": 1e-4},
               "model": config["model"]}
     with pytest.raises(ResumeError) as err:

@@ -36,11 +36,12 @@ def test_default_run_dirs(tmp_path, monkeypatch):
     """--run-dir as given; else SAVE/run (--save or --ckpt-dir); else a new runs/<UTC time>-<preset>,
     with -2 where a launch of the same second took that name."""
     monkeypatch.chdir(tmp_path)
-    assert rd.resolve_run_dir(TrainConfig(preset="tiny", run_dir="r", save="s")) == "r"
-    assert rd.resolve_run_dir(TrainConfig(preset="tiny", save="s", load="l")) == str(Path("s/run"))
-    assert rd.resolve_run_dir(TrainConfig(preset="x/my.yaml", ckpt_dir="c")) == str(Path("c/run"))
+    run = dict(train_iters=1, mock_data=True)
+    assert rd.resolve_run_dir(TrainConfig(preset="tiny", run_dir="r", save="s", **run)) == "r"
+    assert rd.resolve_run_dir(TrainConfig(preset="tiny", save="s", load="l", **run)) == str(Path("s/run"))
+    assert rd.resolve_run_dir(TrainConfig(preset="x/my.yaml", ckpt_dir="c", **run)) == str(Path("c/run"))
     monkeypatch.setattr(time, "gmtime", lambda *_: time.struct_time((2024, 1, 2, 3, 4, 5, 1, 2, 0)))
-    made = [rd.resolve_run_dir(TrainConfig(preset=p)) for p in ("tiny", "tiny", "x/my.yaml")]
+    made = [rd.resolve_run_dir(TrainConfig(preset=p, **run)) for p in ("tiny", "tiny", "x/my.yaml")]
     assert made == ["runs/20240102-030405-tiny", "runs/20240102-030405-tiny-2",
                     "runs/20240102-030405-my"]
     assert all(Path(m).is_dir() for m in made)

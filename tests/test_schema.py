@@ -156,6 +156,23 @@ def test_old_key_in_a_study_spec_keeps_the_fingerprints():
         study_from_dict(raw)
 
 
+def test_old_train_keys_in_a_study_spec_keep_the_fingerprints():
+    from aoe_megatron.study.spec import SpecError, study_from_dict
+
+    raw = yaml.safe_load((ROOT / "run/studies/default.yaml").read_text())
+    new = study_from_dict(raw)
+    raw["train"]["train_steps"] = raw["train"].pop("train_iters")
+    raw["train"]["warmup_steps"] = raw["train"].pop("lr_warmup_iters")
+    with pytest.warns(DeprecationWarning, match="train_steps is deprecated: use train_iters"):
+        old = study_from_dict(raw)
+    for arm in new.arms:
+        assert old.arm(arm.name).preset == arm.preset  # normalised to the new keys
+        assert old.arm(arm.name).fingerprint(1, new.data) == arm.fingerprint(1, new.data)
+    raw["train"]["train_iters"] = 5
+    with pytest.raises(SpecError, match="both 'train_steps' and 'train_iters'"):
+        study_from_dict(raw)
+
+
 def test_committed_study_runs_keep_their_fingerprints():
     """The runs under studies/default were recorded while the key was ``weight_mode``, before
     revision 2 of the training math: the AoE arms' runs still match; the MoE arm's (its math
@@ -179,3 +196,24 @@ def test_committed_study_runs_keep_their_fingerprints():
                 checked += 1
     if not checked:
         pytest.skip("no recorded runs under studies/default")
+
+
+def test_the_staged_studys_finished_runs_keep_their_fingerprints():
+    """studies/v2's finished runs were recorded while the train keys were train_steps and
+    warmup_steps: the plan, built from today's spec (train_iters, lr_warmup_iters), still finds
+    each of them done, not to be trained again."""
+    from aoe_megatron.study.plan import make_plan
+    from aoe_megatron.study.runner import run_paths
+    from aoe_megatron.study.spec import load_study
+
+    study, out = load_study("v2"), ROOT / "studies" / "v2"
+    checked = 0
+    for run in make_plan(study, out).runs:
+        paths = run_paths(out, run.arm, run.seed)
+        record = json.loads(paths.record.read_text()) if paths.record.is_file() else {}
+        if record.get("finished"):
+            assert record["fingerprint"] == run.arm.fingerprint(run.seed, study.data), run.key
+            assert "train_steps" in yaml.safe_load((paths.root / "preset.yaml").read_text())["train"]
+            checked += 1
+    if not checked:
+        pytest.skip("no finished runs under studies/v2")

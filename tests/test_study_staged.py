@@ -33,7 +33,7 @@ def _finish(study, out, run, loss, seconds=60.0):
     """What a run leaves once trained and evaluated (the records the plan reads)."""
     paths = run_paths(out, run.arm, run.seed)
     paths.root.mkdir(parents=True, exist_ok=True)
-    steps = run.arm.preset["train"]["train_steps"]
+    steps = run.arm.preset["train"]["train_iters"]
     paths.record.write_text(json.dumps({"fingerprint": run.arm.fingerprint(run.seed, study.data),
                                         "finished": True, "train_seconds": seconds}))
     paths.finished.write_text(json.dumps({"steps": steps, "final_loss": loss}))
@@ -44,11 +44,11 @@ def _runs(plan, stage):
     return {(r.run_id, r.seed): r for r in plan.of(stage)}
 
 
-SWEEP = [{"name": "tune", "train": {"train_steps": 250}, "minutes_per_run": 3,
+SWEEP = [{"name": "tune", "train": {"train_iters": 250}, "minutes_per_run": 3,
           "groups": [{"arms": ["moe", "aoe", "aoe_matched"], "seeds": [1],
                       "sweep": {"lr": [1.0e-3, 2.0e-3, 4.0e-3]}, "extend_at_edge": True},
                      {"arms": ["moe"], "seeds": [1, 2], "set": {"lr": 2.0e-3}}]},
-         {"name": "compare", "train": {"train_steps": 1000},
+         {"name": "compare", "train": {"train_iters": 1000},
           "groups": [{"arms": ["moe", "aoe", "aoe_matched"], "seeds": [1, 2], "from": "tune"}]},
          {"name": "width", "model": {"hidden_size": 256, "num_attention_heads": 8},
           "groups": [{"arms": ["moe", {"best_of": ["aoe", "aoe_matched"], "stage": "compare"}],
@@ -163,7 +163,7 @@ def test_the_v2_spec_is_the_issue_s_design():
         {r.seed for r in tune if r.run_id == "moe-lr0.002"}
     assert len([r for r in tune if r.base == "aoe_bias"]) == 6  # 3 rates x 2 bias rates
     arm = tune[0].arm
-    assert arm.model.vocab_size == 2048 and arm.preset["train"]["train_steps"] == 250
+    assert arm.model.vocab_size == 2048 and arm.preset["train"]["train_iters"] == 250
     assert {w["arm"] for w in plan.waiting if w["stage"] == "compare"} == {
         "moe", "aoe", "aoe_matched", "config3", "random", "aoe_bias", "moe_bias"}
 

@@ -77,7 +77,7 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_p
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=1e-6), step
 
     # The weights saved at EP=2 load at EP=1 (still two processes): the validation loss is the same.
-    ep1_args = tiny_run_args(expert_parallel_size=1, train_steps=1, eval_interval=1, lr=1e-12,
+    ep1_args = tiny_run_args(expert_model_parallel_size=1, train_iters=1, eval_interval=1, lr=1e-12,
                              min_lr=1e-12, load_weights=tiny_reference_run["ckpt"] / "step_00000008",
                              run_dir=tmp_path / "run_ep1")
     at_ep1 = launch.run(ep1_args, nproc=2, cwd=ROOT, timeout=600, summary=tmp_path / "ep1.json")
@@ -100,7 +100,7 @@ def test_resume_after_sigterm_equals_uninterrupted_run(tiny_reference_run, tmp_p
     assert record["world_size"] == 2 and "megatron_core" in record["versions"]
     assert record["selection_stats"] == "every training micro-batch since the previous logging step"
     config = json.loads((tiny_reference_run["run"] / "config.json").read_text())
-    assert config["model"]["arch"] == "aoe" and config["train"]["expert_parallel_size"] == 2
+    assert config["model"]["arch"] == "aoe" and config["train"]["expert_model_parallel_size"] == 2
 
 
 def _crash_during_save(rank, world_size, ckpt_dir):
@@ -167,19 +167,19 @@ def test_a_crash_while_saving_keeps_the_previous_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "args,env,phrase",
     [
-        (["--preset", "tiny", "--train-iters", "2", "--expert-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
+        (["--preset", "tiny", "--train-iters", "2", "--mock-data", "--expert-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
          "not divisible by expert parallel size"),
-        (["--preset", "tiny", "--train-iters", "2", "--expert-model-parallel-size", "2", "--zero-stage", "3"],
+        (["--preset", "tiny", "--train-iters", "2", "--mock-data", "--expert-model-parallel-size", "2", "--zero-stage", "3"],
          {"WORLD_SIZE": "2"}, "ZeRO-3 with expert parallelism"),
         (["--preset", "nonexistent", "--train-iters", "2"], {}, "no preset"),
         (["--preset", "tiny", "--train-iters", "2", "--keep-last", "-1", "--mock-data"], {},
          "--keep-last must be >= 0"),
         (["--preset", "tiny"], {}, "exactly one of --train-iters and --train-tokens"),
-        (["--preset", "tiny", "--train-iters", "2", "--tensor-model-parallel-size", "2"], {},
+        (["--preset", "tiny", "--train-iters", "2", "--mock-data", "--tensor-model-parallel-size", "2"], {},
          "tensor and pipeline parallelism are not supported yet"),
-        (["--preset", "tiny", "--train-iters", "2", "--set", "num_layer=3"], {},
+        (["--preset", "tiny", "--train-iters", "2", "--mock-data", "--set", "num_layer=3"], {},
          "unknown model settings ['num_layer']"),
-        (["--preset", "tiny", "--train-iters", "2", "--set", "aoe.d_low=64"], {},
+        (["--preset", "tiny", "--train-iters", "2", "--mock-data", "--set", "aoe.d_low=64"], {},
          "must be smaller than d_model"),
         (["--preset", "tiny", "--train-iters", "2"], {}, "no --data-path: give a data config"),
         (["--preset", "tiny", "--train-iters", "2", "--data-path", "run/data-shakespeare.yaml",
@@ -207,8 +207,8 @@ def test_model_overrides_reach_the_model():
     cfg, model = run.cfg, run.model
     assert (model.num_layers, model.aoe.d_low, model.arch) == (3, 128, "moe")
     assert model.hidden_size == 768 and cfg.global_batch_size == 2048  # the preset's recipe
-    assert cfg.lr == 2e-4 and cfg.warmup_steps == 4800 and cfg.min_lr == 1.28e-5
-    assert cfg.train_steps == 1 and cfg.train_tokens is None  # the CLI length replaces the preset's
+    assert cfg.lr == 2e-4 and cfg.lr_warmup_iters == 4800 and cfg.min_lr == 1.28e-5
+    assert cfg.train_iters == 1 and cfg.train_tokens is None  # the CLI length replaces the preset's
 
 
 def test_unknown_preset_key_and_foreign_tokenizer_are_refused(tmp_path, capsys):

@@ -92,7 +92,7 @@ def test_wandb_offline_threads_and_upstream_lines_of_a_resumed_run(corpus, tmp_p
     assert first["run"] == ("aoe-console-test", "first")
     assert resumed["run"] == ("aoe-console-test", "resumed")
     assert resumed["config"] == config  # the last launch wrote config.json
-    assert first["config"]["train"]["train_steps"] == 2
+    assert first["config"]["train"]["train_iters"] == 2
     assert sorted(first["history"]) == [1, 2] and sorted(resumed["history"]) == [3]
     from aoe_megatron.models.gpt import load_preset
 

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from aoe_megatron.models.params import count_parameters
-    from aoe_megatron.train.config import parse_overrides
+    from aoe_megatron.train.values import parse_overrides
     from aoe_megatron.train.console import message
     from aoe_megatron.models.gpt import load_preset
 

@@ -87,7 +87,7 @@ def main(spec_path: str) -> int:
     import torch.distributed as dist
 
     from aoe_megatron.train import loop
-    from aoe_megatron.train.config import adopt_single_process_env
+    from aoe_megatron.train.launcher_env import adopt_single_process_env
     from aoe_megatron.train.run import parse_run
 
     spec = json.loads(Path(spec_path).read_text())

@@ -18,7 +18,6 @@ import os
 import shlex
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from aoe_megatron.bench.names import (ARCHS, ARM_FIELDS, DEFAULT_ARCHS, GPU_ONLY_MODELS, MODELS,
@@ -134,86 +133,28 @@ def main(argv=None) -> int:
         ap.error("--device cuda: torch sees no CUDA device here (use --device cpu)")
     device = "cuda" if args.device == "auto" and cuda else ("cpu" if args.device == "auto" else args.device)
     dtype_name = args.dtype if args.dtype != "auto" else ("bf16" if device == "cuda" else "fp32")
-    dtype = getattr(torch, DTYPES[dtype_name])
     have_te = device == "cuda" and transformer_engine_usable()  # imports and runs
     if args.te == "on" and not have_te:
         ap.error("--te on needs CUDA and a TransformerEngine that imports and runs there "
                  "(aoe_megatron.runtime.compat.transformer_engine_status says why not)")
-    use_te = have_te if args.te == "auto" else args.te == "on"
 
-    from aoe_megatron.bench import (  # deferred: torch loads after --help
-        ep, fresh, layer, model, report)
+    from aoe_megatron.bench import arms, driver, report  # deferred: torch loads after --help
 
-    table = layer.QUICK_SHAPES if args.quick else layer.SHAPES
+    table = arms.QUICK_SHAPES if args.quick else arms.SHAPES
     if args.shapes and set(args.shapes) - set(table):
         ap.error(f"--shapes: unknown {sorted(set(args.shapes) - set(table))}; "
                  f"{'with --quick ' if args.quick else ''}choose from {','.join(table)}")
+
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
 
-    from aoe_megatron.runtime.distributed import (  # deferred: torch loads after --help
-        init_megatron, shutdown)
-
-    command = " ".join([PROG, *(shlex.quote(a) for a in argv)])
-    log(f"{command}: device {device}, dtype {dtype_name}, TE {'on' if use_te else 'off'}, "
-        f"{args.reps} reps ({args.model_reps} at the model level), levels {','.join(args.only)}")
-    results: dict = {}
-    kw = dict(quick=args.quick, device=device, dtype=dtype, use_te=use_te, log=log)
-    layer_kw = dict(shapes=args.shapes, arms=args.arms, reps=args.reps,
-                    reps_explicit=args.reps_explicit)
-    models = args.models or model.default_models(quick=args.quick, device=device)
-    skipped = [] if args.models or args.quick else [n for n in model.MODELS if n not in models]
-    if skipped and "model" in args.only:
-        log(f"[model] skipping {','.join(skipped)} on {device} (GPU-only by default; "
-            "--models runs it)")
-    model_kw = dict(models=models, archs=args.model_archs)
-    init_megatron(expert_parallel_size=1)
-    try:
-        # Timings first, with the allocator as it is; the CPU memory probe changes how glibc
-        # serves allocations (every one >= 64 KiB mmapped), which would slow every step.
-        timed_layer = layer.run(**kw, **layer_kw) if "layer" in args.only else None
-        timed_model = (model.run(**kw, **model_kw, reps=args.model_reps)
-                       if "model" in args.only else None)
-        if "ep" in args.only:  # spawned processes: a fresh allocator each
-            results["ep"] = ep.run(quick=args.quick, device=device, dtype=dtype, use_te=use_te,
-                                   reps=args.reps, log=log)
-        if device == "cpu":  # a fresh process: see aoe_megatron/bench/fresh.py
-            log("memory phase: a fresh process with the CPU peak probe")
-            mem = fresh.memory_phase(quick=args.quick, dtype=dtype, shapes=args.shapes,
-                                     arms=args.arms, **model_kw, layer=timed_layer is not None,
-                                     model=timed_model is not None, threads=torch.get_num_threads())
-        else:
-            mem = {"layer": layer.run(**kw, **layer_kw, phase="memory") if timed_layer else None,
-                   "model": (model.run(**kw, **model_kw, reps=1, phase="memory")
-                             if timed_model else None)}
-        if timed_layer is not None:
-            results["layer"] = layer.merge(timed_layer, mem["layer"])
-        if timed_model is not None:
-            results["model"] = model.merge(timed_model, mem["model"])
-    finally:
-        shutdown()
-    results["meta"] = {
-        "command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "wall_s": time.perf_counter() - start, "quick": args.quick, "reps": args.reps,
-        "model_reps": args.model_reps, "arms": args.arms, "models": models,
-        "model_archs": args.model_archs,
-        "device": device, "dtype": dtype_name, "use_te": use_te,
-        "machine": report.machine_info(device), "notes": [],
-    }
-    capped = {n: layer.reps_for(n, args.reps, explicit=args.reps_explicit)
-              for n in results.get("layer", {})}
-    capped = {n: r for n, r in capped.items() if r != args.reps}
-    if capped:
-        results["meta"]["notes"].append(
-            "fewer timed reps at " + ", ".join(f"{n} ({r})" for n, r in capped.items()) +
-            " to keep the default run short; --reps N sets every shape.")
-    if skipped and "model" in results:
-        results["meta"]["notes"].append(
-            f"model level: {', '.join(skipped)} left out on {device} (GPU-only by default).")
-    if args.quick:
-        results["meta"]["notes"].append(
-            "--quick: tiny shapes and few reps, to check the tool; the timings mean little and "
-            "CPU peak memory does not see allocations under 64 KiB.")
+    bench = driver.BenchRun(
+        command=" ".join([PROG, *(shlex.quote(a) for a in argv)]), quick=args.quick,
+        device=device, dtype_name=dtype_name, use_te=have_te if args.te == "auto" else args.te == "on",
+        only=tuple(args.only), reps=args.reps, reps_explicit=args.reps_explicit,
+        model_reps=args.model_reps, shapes=args.shapes, arms=args.arms, models=args.models,
+        model_archs=args.model_archs)
+    results = driver.run(bench, log=log)
     json_path, md_path = report.write(results, args.out)
     print()
     print(report.markdown(results))

@@ -112,7 +112,8 @@ def _aoe(args) -> tuple:
     # the held-out tokens must come from the tokenizer the model trained with, when that is known
     trained_on, sha = state["config"].get("data"), None  # absolute prefixes (newer records)
     if not isinstance(trained_on, dict):
-        trained_on = (state["config"].get("train") or {}).get("data")
+        train = state["config"].get("train") or {}
+        trained_on = train.get("data_path", train.get("data"))  # "data": records before the rename
         trained_on = trained_on[0] if isinstance(trained_on, (list, tuple)) else trained_on
     try:
         sha = check_manifests(DataConfig.load(trained_on).prefixes)["tokenizer"]["sha256"]

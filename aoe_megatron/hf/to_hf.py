@@ -88,7 +88,8 @@ def data_manifest(state: dict, *, data=None, manifest=None) -> dict:
         except (FileNotFoundError, ValueError) as exc:
             raise ConversionError(f"the training data recorded in {STATE}: {exc}; pass --data "
                                   f"DATA.yaml or --manifest PREFIX.manifest.json") from None
-    data = data or (recorded.get("train", {}) or {}).get("data")
+    train = recorded.get("train", {}) or {}
+    data = data or train.get("data_path", train.get("data"))  # "data": records before the rename
     if isinstance(data, (list, tuple)):  # --data-path as given (a one-item list: a YAML)
         data = data[0] if len(data) == 1 else None
     if not data or not Path(data).is_file():

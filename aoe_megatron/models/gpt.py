@@ -17,6 +17,7 @@ from aoe_megatron.models.settings import (  # noqa: F401  (RouterSettings: its h
 from aoe_megatron.moe.config import AoEConfig, AoELayerConfig
 from aoe_megatron.runtime import resources
 from aoe_megatron.runtime.compat import fused_softmax_available
+from aoe_megatron.runtime.deprecations import upgrade_keys
 
 ARCHS = ("aoe", "moe")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -176,6 +177,8 @@ def preset_dict(name_or_path: str, _seen=()) -> dict:
         raise ValueError(f"unknown preset sections {sorted(unknown)} in {path}: use base, model, train")
     if isinstance(raw.get("model"), dict):  # old key names, before a base's new ones meet them
         raw["model"] = upgrade_sections(raw["model"], where=f"preset {path}")
+    if isinstance(raw.get("train"), dict):  # likewise its train: keys (TrainConfig's old names)
+        raw["train"] = upgrade_keys(raw["train"], "train_key", where=f"preset {path}: train")
     base = raw.pop("base", None)
     return merge_settings(preset_dict(base, _seen + (path,)), raw) if base else raw
 

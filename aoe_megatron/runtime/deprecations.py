@@ -20,7 +20,7 @@ NEXT = "0.2.0"
 class Deprecation:
     old: str                   # as a user writes it: a module, a script, a flag, a settings key
     new: str                   # what to write instead
-    kind: str                  # module | script | flag | key
+    kind: str                  # module | script | flag | key (a layer's) | train_key
     removed_in: Optional[str]  # None: kept while data recorded with it is read (say why in `why`)
     why: str = ""
 
@@ -44,6 +44,11 @@ _FLAGS = {"--expert-parallel-size": "--expert-model-parallel-size",
           "--train-steps": "--train-iters", "--recompute": "--moe-layer-recompute",
           "--warmup-steps": "--lr-warmup-iters", "--data": "--data-path"}
 
+#: A preset's ``train:`` keys, renamed to the Megatron-LM flags they are (issue #37).
+_TRAIN_KEYS = {"train_steps": "train_iters", "warmup_steps": "lr_warmup_iters",
+               "expert_parallel_size": "expert_model_parallel_size",
+               "recompute": "moe_layer_recompute", "data": "data_path"}
+
 DEPRECATIONS: tuple = (
     *(Deprecation(old, new, "module", NEXT) for old, new in _MODULES.items()),
     *(Deprecation(f"tools/{name}.py", new, "script", NEXT) for name, new in _SCRIPTS.items()),
@@ -51,6 +56,10 @@ DEPRECATIONS: tuple = (
     Deprecation("weight_mode", "selection", "key", None,
                 why="checkpoints, Hugging Face exports and study records written before the rename "
                     "carry it: reading them is not a convenience to withdraw"),
+    *(Deprecation(old, new, "train_key", None,
+                  why="checkpoints, run records and study specs written before the rename carry "
+                      "it: reading them is not a convenience to withdraw")
+      for old, new in _TRAIN_KEYS.items()),
 )
 
 
@@ -65,6 +74,25 @@ def deprecation(old: str) -> Deprecation:
 def renamed(kind: str) -> dict:
     """{old: new} of one kind."""
     return {d.old: d.new for d in DEPRECATIONS if d.kind == kind}
+
+
+def upgrade_keys(section: dict, kind: str, *, where: str, warn: bool = True) -> dict:
+    """A copy of the settings ``section`` with ``kind``'s old keys renamed to the new ones: each
+    warns (DeprecationWarning, one line) unless ``warn`` is False (a record read back); a section
+    with both names of one setting is refused (ValueError)."""
+    import warnings
+
+    out = dict(section)
+    for old, new in renamed(kind).items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ValueError(f"{where} sets both {old!r} and {new!r}: {old!r} is the old name of "
+                             f"{new!r}; keep {new!r} only.")
+        if warn:
+            warnings.warn(f"{where}: {deprecation(old).notice()}", DeprecationWarning, stacklevel=3)
+        out[new] = out.pop(old)
+    return out
 
 
 def _release(version: str) -> tuple:

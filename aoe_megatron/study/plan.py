@@ -204,7 +204,7 @@ def estimate_seconds(study: Study, out: Path, plan: Plan, run: PlannedRun) -> fl
     if seconds is None:
         return None
     if run.status in (STARTED, TRAINED):
-        steps = int(run.arm.preset["train"].get("train_steps", 0)) or 1
+        steps = int(run.arm.preset["train"].get("train_iters", 0)) or 1
         done_steps = _last_step(run_paths(out, run.arm, run.seed).ckpt)
         seconds *= max(0.1, 1 - done_steps / steps)
     return seconds

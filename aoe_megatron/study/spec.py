@@ -36,6 +36,7 @@ from aoe_megatron.models.settings import SECTIONS, upgrade_sections
 from aoe_megatron.moe.config import LEGACY_KEYS
 from aoe_megatron.runtime import resources
 from aoe_megatron.study.stages import StageError, parse_stages
+from aoe_megatron.train.values import TRAIN_LEGACY_KEYS, upgrade_train_keys
 
 STUDY_DIR = resources.path("studies")
 TOP_KEYS = {"name", "description", "data", "model", "train", "seeds", "baseline", "evaluation",
@@ -50,13 +51,28 @@ class SpecError(ValueError):
 
 
 def _as_recorded(preset: dict) -> dict:
-    """``preset`` with the settings' names its runs' fingerprints were first recorded with."""
+    """``preset`` with the settings' names its runs' fingerprints were first recorded with (the
+    layers' LEGACY_KEYS, the ``train:`` keys' TRAIN_LEGACY_KEYS)."""
     old_of = {new: old for old, new in LEGACY_KEYS.items()}
     model = dict(preset.get("model") or {})
     for name in SECTIONS:
         if isinstance(model.get(name), dict):
             model[name] = {old_of.get(k, k): v for k, v in model[name].items()}
-    return {**preset, "model": model}
+    out = {**preset, "model": model}
+    if isinstance(preset.get("train"), dict):
+        old_train = {new: old for old, new in TRAIN_LEGACY_KEYS.items()}
+        out["train"] = {old_train.get(k, k): v for k, v in preset["train"].items()}
+    return out
+
+
+def _train_upgraded(train, where: str):
+    """A ``train:`` section with old setting names renamed (each warns; both names: SpecError)."""
+    if not isinstance(train, dict):
+        return train
+    try:
+        return upgrade_train_keys(train, where=where)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
 
 
 def _upgraded(model, where: str):
@@ -170,10 +186,12 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
         if not raw.get(key):
             raise SpecError(f"study {source} needs {key!r}")
     raw["model"] = _upgraded(raw.get("model"), f"{source}: model")
+    raw["train"] = _train_upgraded(raw.get("train"), f"{source}: train")
     if quick:
         q = raw.get("quick") or {}
         _check_keys(q, QUICK_KEYS, f"{source}: quick")
         q["model"] = _upgraded(q.get("model"), f"{source}: quick.model")
+        q["train"] = _train_upgraded(q.get("train"), f"{source}: quick.train")
         for key in ("model", "train", "evaluation", "probe", "table1"):
             raw[key] = merge_settings(raw.get(key) or {}, q.get(key) or {})
         raw["seeds"] = q.get("seeds", raw["seeds"])
@@ -186,6 +204,9 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
                 raise SpecError(f"{source}: quick.arms names unknown arms {sorted(missing)}")
             raw["arms"] = [a for a in raw["arms"] if a.get("name") in q["arms"]]
     stages = ()
+    for i, stage in enumerate(raw.get("stages") or []):
+        if isinstance(stage, dict) and "train" in stage:
+            stage["train"] = _train_upgraded(stage["train"], f"{source}: stage {i + 1}: train")
     if raw.get("stages"):
         try:
             stages = parse_stages(raw["stages"], catalog={a.get("name") for a in raw["arms"]},
@@ -203,7 +224,8 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
             raise SpecError(f"{source}: arm name {name!r} must be letters, digits, - and _")
         arm_model = _upgraded(entry.get("model"), f"{source}: arm {name}: model")
         preset = {"model": merge_settings(raw.get("model") or {}, arm_model or {}),
-                  "train": merge_settings(raw.get("train") or {}, entry.get("train") or {})}
+                  "train": merge_settings(raw.get("train") or {}, _train_upgraded(
+                      entry.get("train") or {}, f"{source}: arm {name}: train"))}
         arm = Arm(name=name, label=str(entry.get("label", name)), preset=preset,
                   world_size=int(entry.get("world_size", 1)),
                   expert_parallel_size=int(entry.get("expert_parallel_size", 1)))

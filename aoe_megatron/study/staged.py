@@ -112,7 +112,7 @@ def run_staged(study: Study, out: Path, *, stages=(), arms=(), seeds=(), budget_
 def _stage_shape(study: Study, stage) -> dict:
     arm = planning.stage_arm(study, stage, study.arms[0].name, {})
     train = arm.preset["train"]
-    return {"steps": int(train.get("train_steps", 0)),
+    return {"steps": int(train.get("train_iters", 0)),
             "tokens_per_step": int(train["global_batch_size"]) * int(arm.model.seq_length)}
 
 

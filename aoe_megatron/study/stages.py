@@ -3,7 +3,7 @@ rates carried from an earlier stage, and per-group seeds (pure: no training, no 
 
     stages:
       - name: tune
-        train: {train_steps: 250, save_interval: 50}   # over the study's train: (and model:)
+        train: {train_iters: 250, save_interval: 50}   # over the study's train: (and model:)
         minutes_per_run: 3       # the estimate for a time budget until a run of the stage finished
         checkpoints: delete      # after a run is evaluated: delete | keep
         groups:
@@ -79,7 +79,7 @@ class Stage:
     checkpoints: str = "keep"
 
     def steps(self, base_train: dict) -> int:
-        return int(merge_settings(base_train, self.train).get("train_steps", 0))
+        return int(merge_settings(base_train, self.train).get("train_iters", 0))
 
 
 def run_id(arm: str, overrides: dict) -> str:

@@ -1,13 +1,15 @@
 """Training settings: one schema (``TrainConfig``: each setting's default, help, group and
 Megatron-LM name), filled from a preset's ``train:`` section and the command line
-(``train/flags.py``); ``train/run.py`` resolves and validates them, once, before any process
-group starts."""
+(``train/flags.py``), each value checked where it is declared (``__post_init__``);
+``train/run.py`` resolves them against the model, the world and the files, once, before any
+process group starts."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import dataclass, field, fields
+from typing import Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+from aoe_megatron.train.values import parse_overrides, parse_steps
 
 
 def setting(default, group: str, help: str, *, megatron: Optional[str] = None, flag: str = "",
@@ -30,14 +32,17 @@ GROUPS = MODEL, PARALLEL, TRAINING, LR, CKPT, DATA, LOGGING, FAULTS = (
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One run's training settings. Field names are the keys of a preset's ``train:`` section
-    and of the run records; ``aoe_megatron.train.flags`` spells them on the command line."""
+    and of the run records, and Megatron-LM's flags where it has the setting (``train_iters``:
+    ``--train-iters``; old keys load: ``upgrade_train_keys``); ``aoe_megatron.train.flags``
+    spells them on the command line."""
 
     # --- model
     preset: str = setting(None, MODEL, "model preset: a name (tiny, 732m, 4b, aoe_732m, "
                           "moe_732m, ...: see the package's presets) or a YAML path; its model: "
                           "section is the model, its train: section the defaults of these flags")
-    arch: Optional[str] = setting(None, MODEL, "override the preset's architecture: aoe (norm-"
-                                  "based selection) or moe (megatron-core's routed MoE)")
+    arch: Optional[Literal["aoe", "moe"]] = setting(
+        None, MODEL, "override the preset's architecture: aoe (norm-based selection) or moe "
+        "(megatron-core's routed MoE)")
     model_overrides: tuple = setting((), MODEL, "a model setting over the preset's, as KEY=VALUE "
                                      "(num_layers=4, aoe.d_low=128); repeatable", flag="--set")
     # --- parallelism
@@ -46,11 +51,11 @@ class TrainConfig:
                                               megatron="--tensor-model-parallel-size")
     pipeline_model_parallel_size: int = setting(1, PARALLEL, "pipeline-parallel size; only 1 for "
                                                 "now", megatron="--pipeline-model-parallel-size")
-    expert_parallel_size: int = setting(1, PARALLEL, "expert-parallel size: processes that share "
+    expert_model_parallel_size: int = setting(1, PARALLEL, "expert-parallel size: processes that share "
                                         "one copy of the experts, each holding num_experts/EP of "
                                         "them; divides the processes",
                                         megatron="--expert-model-parallel-size")
-    zero_stage: int = setting(1, PARALLEL, "DeepSpeed ZeRO stage 1, 2 or 3 (optimizer state, + "
+    zero_stage: Literal[1, 2, 3] = setting(1, PARALLEL, "DeepSpeed ZeRO stage 1, 2 or 3 (optimizer state, + "
                               "gradients, + weights partitioned over data-parallel ranks); 3 only "
                               "with EP=1")
     distributed_timeout_minutes: float = setting(
@@ -62,7 +67,7 @@ class TrainConfig:
     global_batch_size: int = setting(8, TRAINING, "sequences per optimizer step over all data-"
                                      "parallel processes (the rest is gradient accumulation)",
                                      megatron="--global-batch-size")
-    train_steps: Optional[int] = setting(None, TRAINING, "optimizer steps to train for (give this "
+    train_iters: Optional[int] = setting(None, TRAINING, "optimizer steps to train for (give this "
                                          "or --train-tokens)", megatron="--train-iters")
     train_tokens: Optional[int] = setting(None, TRAINING, "tokens to train on instead of "
                                           "--train-iters: steps = ceil(tokens / (global batch x "
@@ -74,21 +79,21 @@ class TrainConfig:
                                "clipping)", megatron="--clip-grad")
     seed: int = setting(1234, TRAINING, "random seed of the weights and the data order",
                         megatron="--seed")
-    precision: str = setting("auto", TRAINING, "weights and activations: bf16 or fp32; auto: bf16 "
+    precision: Literal["auto", "bf16", "fp32"] = setting("auto", TRAINING, "weights and activations: bf16 or fp32; auto: bf16 "
                              "on CUDA, fp32 on the CPU (the optimizer keeps fp32 master weights "
                              "and Adam state either way); --bf16 is short for --precision bf16")
-    grad_accum_dtype: str = setting("fp32", TRAINING, "bf16 runs: dtype in which gradients are "
+    grad_accum_dtype: Literal["fp32", "bf16"] = setting("fp32", TRAINING, "bf16 runs: dtype in which gradients are "
                                     "accumulated over micro-batches and reduced across processes "
                                     "(fp32 as Megatron-LM; bf16 halves that memory and traffic "
                                     "but rounds away small gradients)")
-    recompute: bool = setting(False, TRAINING, "recompute each MoE layer's activations in backward "
+    moe_layer_recompute: bool = setting(False, TRAINING, "recompute each MoE layer's activations in backward "
                               "(less memory, about one more forward of the layer)",
                               megatron="--moe-layer-recompute")
     # --- learning rate
     lr: float = setting(2e-4, LR, "peak learning rate", megatron="--lr")
     min_lr: float = setting(1.28e-5, LR, "learning rate at the end of the cosine decay",
                             megatron="--min-lr")
-    warmup_steps: int = setting(4800, LR, "steps of linear warm-up to --lr",
+    lr_warmup_iters: int = setting(4800, LR, "steps of linear warm-up to --lr",
                                 megatron="--lr-warmup-iters")
     override_opt_param_scheduler: bool = setting(
         False, LR, "resuming: continue on this command's learning-rate schedule (--lr, --min-lr, "
@@ -122,7 +127,7 @@ class TrainConfig:
                               "its files against its manifest (a warning says so); resuming "
                               "with --load always verifies")
     # --- data
-    data: Optional[tuple] = setting(
+    data_path: Optional[tuple] = setting(
         None, DATA, "the training data: a data config YAML (run/data-*.yaml, or the package's by "
         "file name), a dataset prefix, or Megatron-LM's blend list W1 PREFIX1 W2 PREFIX2 ... "
         "(prefixes without weights are weighted by size); required unless --mock-data or "
@@ -194,6 +199,61 @@ class TrainConfig:
     inject_nonfinite: Optional[str] = setting(None, FAULTS, "testing aid: steps (as logged, e.g. "
                                               "3,5) whose loss is made NaN on rank 0")
 
+    def __post_init__(self) -> None:
+        """What the settings alone decide (no file is read: ``train/run.py`` checks the folders)."""
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"{_flag(name)} must be one of {', '.join(map(str, choices))}, "
+                                 f"got {value!r}")
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) != 1:
+                raise ValueError(
+                    f"{_flag(name)} {getattr(self, name)}: tensor and pipeline parallelism are not "
+                    f"supported yet; scale with data and expert parallelism")
+        for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
+                     "expert_model_parallel_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
+        if (self.train_iters is None) == (self.train_tokens is None):
+            raise ValueError("give exactly one of --train-iters and --train-tokens")
+        for name in ("train_iters", "train_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{_flag(name)} must be positive, got {getattr(self, name)}")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError("--override-opt_param-scheduler (this command's learning-rate "
+                             "schedule) and --use-checkpoint-opt_param-scheduler (the "
+                             "checkpoint's) exclude each other: give one")
+        for name in ("keep_last", "save_interval", "eval_interval", "skip_nonfinite"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must be >= 0, got {getattr(self, name)}")
+        if self.build_data_index_only and self.mock_data:
+            raise ValueError("--build-data-index-only builds the index of --data-path's datasets; "
+                             "--mock-data has none")
+        if not self.distributed_timeout_minutes > 0:
+            raise ValueError(f"--distributed-timeout-minutes must be positive, got "
+                             f"{self.distributed_timeout_minutes}")
+        if self.ckpt_dir and (self.save or self.load):
+            raise ValueError(f"--ckpt-dir {self.ckpt_dir} means both --save and --load: give "
+                             f"either --ckpt-dir or --save/--load")
+        if self.world_size is not None:
+            if not self.build_data_index_only:
+                raise ValueError("--world-size goes with --build-data-index-only (the job the "
+                                 "cache is built for); training takes its world size from the "
+                                 "launcher")
+            if self.world_size <= 0:
+                raise ValueError(f"--world-size must be positive, got {self.world_size}")
+        given = [_flag(name) for name in ("data_path", "split", "train_data_path", "valid_data_path",
+                                          "test_data_path") if getattr(self, name)]
+        if given and self.mock_data:
+            raise ValueError(f"{given[0]} and --mock-data exclude each other")
+        self.nonfinite_steps  # a bad step list is a settings error before anything starts
+
+    @property
+    def nonfinite_steps(self) -> tuple:
+        """``inject_nonfinite`` as step numbers: "3,5" -> (3, 5) (every reader reads this)."""
+        return parse_steps(self.inject_nonfinite)
+
     def bf16(self) -> bool:
         """Whether the run computes in bf16 (``precision``, auto: where CUDA is)."""
         if self.precision == "auto":
@@ -204,8 +264,8 @@ class TrainConfig:
 
     def steps(self, seq_length: int) -> int:
         """Optimizer steps of the run (``train_tokens`` counts ``seq_length``-token samples)."""
-        if self.train_steps is not None:
-            return self.train_steps
+        if self.train_iters is not None:
+            return self.train_iters
         return -(-self.train_tokens // (self.global_batch_size * seq_length))
 
     def save_dir(self) -> Optional[str]:
@@ -227,49 +287,18 @@ class TrainConfig:
         return overrides
 
 
-def parse_overrides(items) -> dict:
-    """["num_layers=4", "aoe.d_low=128"] -> {"num_layers": 4, "aoe": {"d_low": 128}}."""
-    import yaml
-
-    out: dict = {}
-    for item in items:
-        key, sep, value = str(item).partition("=")
-        if not sep or not key:
-            raise ValueError(f"model override {item!r} is not KEY=VALUE")
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    return out
+def _choices(hint) -> tuple:
+    """A Literal's values (inside Optional too), else ()."""
+    if get_origin(hint) is Union:
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    return get_args(hint) if get_origin(hint) is Literal else ()
 
 
-def adopt_slurm_env() -> None:
-    """Launched by ``srun`` directly (one task per GPU): take RANK / WORLD_SIZE / LOCAL_RANK from
-    Slurm's variables. torchrun and the deepspeed launcher set them themselves."""
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ.get("SLURM_NTASKS", "1")
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+#: Settings with a fixed set of values (their Literal types): the validation, the help's metavars
+#: and the flag parsing's types read them here.
+CHOICES = {name: c for name, hint in get_type_hints(TrainConfig).items() if (c := _choices(hint))}
 
 
-def adopt_single_process_env() -> None:
-    """A bare ``python -m aoe_megatron.train`` (no launcher set RANK and WORLD_SIZE): one process,
-    rank 0, a free rendezvous port on this host. Launched runs are left as they are."""
-    if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
-        return
-    from aoe_megatron.runtime.distributed import free_port  # deferred: torch loads after --help
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-
-
-def world_size_from_env() -> int:
-    """The processes of this run, as the launcher says (torchrun, deepspeed: WORLD_SIZE; a bare
-    ``srun``: SLURM_NTASKS); reads the environment only (``adopt_slurm_env`` writes it)."""
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
-        return int(os.environ.get("SLURM_NTASKS", "1"))
-    return 1
+def _flag(name: str) -> str:
+    f = next(f for f in fields(TrainConfig) if f.name == name)
+    return f.metadata.get("flag") or f.metadata.get("megatron") or "--" + name.replace("_", "-")

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from aoe_megatron.checkpoint.layout import latest_checkpoint
+from aoe_megatron.train.values import parse_steps  # noqa: F401  (the faults' flag's parser)
 from aoe_megatron.train.errors import TrainingHalted
 
 __all__ = ["NonFiniteError", "NonFinitePolicy", "TrainingHalted", "clear_halt_record",
@@ -42,20 +43,6 @@ STATE_KEY = "nonfinite_skipped_steps"
 
 class NonFiniteError(TrainingHalted):
     """A non-finite step the policy does not skip."""
-
-
-def parse_steps(text) -> tuple:
-    """``"3,5"`` -> (3, 5): step numbers from 1, as logged. None or "" -> ()."""
-    if text is None or str(text).strip() == "":
-        return ()
-    steps = []
-    for item in str(text).split(","):
-        item = item.strip()
-        if not item.isdigit() or int(item) < 1:
-            raise ValueError(f"--inject-nonfinite {text!r}: expected step numbers from 1, "
-                             f"separated by commas (e.g. 3,5)")
-        steps.append(int(item))
-    return tuple(sorted(set(steps)))
 
 
 def is_finite(value) -> bool:

@@ -15,8 +15,9 @@ from dataclasses import fields
 
 from aoe_megatron.runtime.command_line import CommandParser
 from aoe_megatron.runtime.deprecations import deprecation, renamed
-from aoe_megatron.train.config import GROUPS, TrainConfig
+from aoe_megatron.train.config import CHOICES, GROUPS, TrainConfig
 from aoe_megatron.train.model_flags import MODEL_FLAGS, hint, with_model_flags
+from aoe_megatron.train.values import TRAIN_LEGACY_KEYS, upgrade_train_keys
 
 PROG = "aoe-train"
 #: Flags that are not a field of their own, listed after the field they set:
@@ -60,15 +61,17 @@ class _Deprecated(argparse.Action):
 
 
 def _kind(f):
+    if f.name in CHOICES:  # a Literal: its values' type
+        return type(CHOICES[f.name][0])
     name = str(f.type).replace("Optional[", "").rstrip("]")
     return {"int": int, "float": float, "bool": bool, "tuple": tuple}.get(name, str)
 
 
 #: Placeholders in the help (others: N for integers, X for reals).
-METAVARS = {"preset": "NAME|YAML", "arch": "{aoe,moe}", "zero_stage": "{1,2,3}",
-            "precision": "{auto,bf16,fp32}", "grad_accum_dtype": "{fp32,bf16}", "save": "DIR",
+METAVARS = {**{name: "{" + ",".join(map(str, c)) + "}" for name, c in CHOICES.items()},
+            "preset": "NAME|YAML", "save": "DIR",
             "load": "DIR", "ckpt_dir": "DIR", "load_weights": "STEP_DIR",
-            "data": "YAML|PREFIX", "split": "A,B,C",
+            "data_path": "YAML|PREFIX", "split": "A,B,C",
             "tokenizer_model": "FILE", "run_dir": "DIR", "inject_nonfinite": "STEPS",
             "data_cache_path": "DIR", "tensorboard_dir": "DIR", "wandb_project": "NAME",
             "wandb_exp_name": "NAME"}
@@ -91,6 +94,7 @@ class _TrainParser(CommandParser):
         if extras:
             ours = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
             keys = {f.name: flag_of(f) for f in fields(TrainConfig)}
+            keys.update({old: keys[new] for old, new in TRAIN_LEGACY_KEYS.items()})
             hints = [h for t in extras if t.startswith("--") and (h := hint(t, PROG, ours, keys))]
             self.error("unrecognized arguments: " + " ".join(extras) + "".join(
                 f"\n  {h}" for h in hints))
@@ -163,7 +167,8 @@ def parse_with_preset(argv=None) -> tuple:
     if given:
         args["model_overrides"] = with_model_flags(given, tuple(args.get("model_overrides", ())))
     preset = preset_dict(args["preset"])
-    train_section = dict(preset.get("train", {}) or {})
+    train_section = upgrade_train_keys(preset.get("train", {}) or {},
+                                       where=f"preset {args['preset']}: train")
     known = {f.name for f in fields(TrainConfig)}
     unknown = set(train_section) - known
     if unknown:
@@ -176,8 +181,8 @@ def parse_with_preset(argv=None) -> tuple:
                 value = source[f.name]
                 source[f.name] = (value,) if isinstance(value, str) else tuple(value)
     # The run's length is one setting: a length on the command line replaces the preset's.
-    if {"train_steps", "train_tokens"} & set(args):
-        train_section = {k: v for k, v in train_section.items() if k not in ("train_steps", "train_tokens")}
+    if {"train_iters", "train_tokens"} & set(args):
+        train_section = {k: v for k, v in train_section.items() if k not in ("train_iters", "train_tokens")}
     return TrainConfig(**{**train_section, **args}), preset
 
 

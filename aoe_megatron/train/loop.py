@@ -24,7 +24,8 @@ from aoe_megatron.runtime.launch import SUMMARY_VAR
 from aoe_megatron.train import console, threads
 from aoe_megatron.train.batches import lm_loss
 from aoe_megatron.train.checkpoint_save import save_checkpoint
-from aoe_megatron.train.config import TrainConfig, adopt_single_process_env, adopt_slurm_env
+from aoe_megatron.train.config import TrainConfig
+from aoe_megatron.train.launcher_env import adopt_single_process_env, adopt_slurm_env
 from aoe_megatron.train.data_index import build_index_only
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.faults import clear_halt_record, write_halt_record

@@ -12,6 +12,8 @@ from __future__ import annotations
 import difflib
 from typing import NamedTuple, Optional
 
+from aoe_megatron.train.values import TRAIN_LEGACY_KEYS
+
 
 class ModelFlag(NamedTuple):
     key: str
@@ -131,7 +133,9 @@ def hint(token: str, prog: str, our_flags: list, train_keys: dict) -> Optional[s
         return f"{name} is a Megatron-LM flag {prog} does not support: {UNSUPPORTED[name]}"
     bare = name.lstrip("-").replace("-", "_")
     if bare in train_keys:
-        return f"{name}: did you mean {train_keys[bare]} (the preset's train key {bare})?"
+        key = TRAIN_LEGACY_KEYS.get(bare)
+        key = f"{key}, formerly {bare}" if key else bare
+        return f"{name}: did you mean {train_keys[bare]} (the preset's train key {key})?"
     dashed = "--" + bare.replace("_", "-")
     if dashed in our_flags:
         return f"{name}: did you mean {dashed}?"

@@ -16,6 +16,7 @@ from typing import Optional
 
 from aoe_megatron.train.errors import TrainingHalted
 from aoe_megatron.train.schedule import Schedule, run_schedule
+from aoe_megatron.train.values import upgrade_train_keys
 
 OVERRIDE = "--override-opt_param-scheduler"
 USE_CHECKPOINT = "--use-checkpoint-opt_param-scheduler"
@@ -50,13 +51,14 @@ def check_config(state: dict, config: dict, path) -> None:
 def schedule_of_record(config: dict) -> Optional[Schedule]:
     """The schedule a run record (``Run.record()``, a checkpoint's ``config``) trains on; None
     where the record lacks a setting it needs."""
-    train, model = config.get("train") or {}, config.get("model") or {}
+    train = upgrade_train_keys(config.get("train") or {}, warn=False)  # a record: old keys too
+    model = config.get("model") or {}
     try:
-        steps = train.get("train_steps")
+        steps = train.get("train_iters")
         if steps is None:  # NOTE: TrainConfig.steps, on the record's plain values
             steps = -(-train["train_tokens"] // (train["global_batch_size"] * model["seq_length"]))
         return run_schedule(lr=train["lr"], min_lr=train["min_lr"],
-                            warmup_steps=train["warmup_steps"], total_steps=steps)
+                            warmup_steps=train["lr_warmup_iters"], total_steps=steps)
     except (KeyError, TypeError):
         return None
 

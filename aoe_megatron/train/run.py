@@ -20,9 +20,9 @@ from aoe_megatron.data.splits import check_splits
 from aoe_megatron.data.tokenizer import sha256_of
 from aoe_megatron.models.gpt import ModelConfig, model_of_preset, preset_dict
 from aoe_megatron.train import wandb_sink
-from aoe_megatron.train.config import TrainConfig, world_size_from_env
+from aoe_megatron.train.config import TrainConfig
+from aoe_megatron.train.launcher_env import world_size_from_env
 from aoe_megatron.train.engine import check_zero_and_ep
-from aoe_megatron.train.faults import parse_steps
 from aoe_megatron.train.flags import parse_with_preset
 
 
@@ -66,12 +66,7 @@ def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
     names; raises ValueError naming the problem. Touches no process group."""
     world = world_size_from_env() if world_size is None else world_size
     _check_settings(cfg)
-    if cfg.world_size is not None:
-        if not cfg.build_data_index_only:
-            raise ValueError("--world-size goes with --build-data-index-only (the job the cache "
-                             "is built for); training takes its world size from the launcher")
-        if cfg.world_size <= 0:
-            raise ValueError(f"--world-size must be positive, got {cfg.world_size}")
+    if cfg.world_size is not None:  # --build-data-index-only's (TrainConfig checked)
         world = cfg.world_size
     model = model_of_preset(preset_dict(cfg.preset) if preset is None else preset,
                             **cfg.model_overrides_dict())  # unknown keys, bad settings raise
@@ -80,61 +75,22 @@ def resolve(cfg: TrainConfig, world_size: Optional[int] = None, *,
     if steps <= 0:
         raise ValueError("the run has no training step")
 
-    beyond = [s for s in parse_steps(cfg.inject_nonfinite) if s > steps]
+    beyond = [s for s in cfg.nonfinite_steps if s > steps]
     if beyond:
         raise ValueError(f"--inject-nonfinite step {beyond[0]} is beyond the run's {steps} steps")
-    given = [flag for flag, value in (("--data-path", cfg.data), ("--split", cfg.split),
-                                      ("--train-data-path", cfg.train_data_path),
-                                      ("--valid-data-path", cfg.valid_data_path),
-                                      ("--test-data-path", cfg.test_data_path)) if value]
-    if not given and not cfg.mock_data:
+    if not cfg.mock_data and not any((cfg.data_path, cfg.split, cfg.train_data_path,
+                                      cfg.valid_data_path, cfg.test_data_path)):
         raise ValueError("no --data-path: give a data config (run/data-*.yaml), a dataset prefix "
                          "(Megatron-LM's forms work too), or --mock-data to train on random "
                          "tokens (smoke and debugging runs only)")
-    if given and cfg.mock_data:
-        raise ValueError(f"{given[0]} and --mock-data exclude each other")
     data, manifests = _read_data(cfg, model, steps)
     return Run(cfg=cfg, model=model, world_size=world, steps=steps, data=data,
                manifests=manifests)
 
 
 def _check_settings(cfg: TrainConfig) -> None:
-    """What the settings alone decide (no file is read)."""
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
-        if getattr(cfg, name) != 1:
-            raise ValueError(
-                f"{name.replace('_', '-')}={getattr(cfg, name)}: tensor and pipeline parallelism "
-                f"are not supported yet; scale with data and expert parallelism")
-    if cfg.zero_stage not in (1, 2, 3):
-        raise ValueError(f"--zero-stage must be 1, 2 or 3, got {cfg.zero_stage}")
-    if cfg.precision not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"--precision must be auto, bf16 or fp32, got {cfg.precision!r}")
-    if cfg.grad_accum_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"--grad-accum-dtype must be fp32 or bf16, got {cfg.grad_accum_dtype!r}")
-    for name in ("micro_batch_size", "global_batch_size", "eval_iters", "log_interval",
-                 "expert_parallel_size"):
-        if getattr(cfg, name) <= 0:
-            raise ValueError(f"{name} must be positive, got {getattr(cfg, name)}")
-    if (cfg.train_steps is None) == (cfg.train_tokens is None):
-        raise ValueError("give exactly one of --train-iters and --train-tokens")
-    if cfg.override_opt_param_scheduler and cfg.use_checkpoint_opt_param_scheduler:
-        raise ValueError("--override-opt_param-scheduler (this command's learning-rate schedule) "
-                         "and --use-checkpoint-opt_param-scheduler (the checkpoint's) exclude "
-                         "each other: give one")
-    if cfg.keep_last < 0:
-        raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got "
-                         f"{cfg.keep_last}")
-    if cfg.save_interval < 0 or cfg.eval_interval < 0:
-        raise ValueError("intervals must be >= 0")
-    if cfg.skip_nonfinite < 0:
-        raise ValueError(f"--skip-nonfinite must be >= 0, got {cfg.skip_nonfinite}")
-    if cfg.build_data_index_only and cfg.mock_data:
-        raise ValueError("--build-data-index-only builds the index of --data-path's datasets; "
-                         "--mock-data has none")
-    if not cfg.distributed_timeout_minutes > 0:
-        raise ValueError(f"--distributed-timeout-minutes must be positive, got "
-                         f"{cfg.distributed_timeout_minutes}")
-
+    """What the settings need of this machine (TrainConfig checked the values themselves): the
+    wandb extra, the checkpoint folders."""
     wandb_sink.check(cfg)
     _check_checkpoint_folders(cfg)
     if cfg.load_weights is not None and not os.path.isdir(os.path.join(cfg.load_weights, "model")):
@@ -145,9 +101,6 @@ def _check_settings(cfg: TrainConfig) -> None:
 def _check_checkpoint_folders(cfg: TrainConfig) -> None:
     """--save/--load as in Megatron-LM, --ckpt-dir for both; a run that would start from scratch
     in a folder of checkpoints is refused rather than write over them."""
-    if cfg.ckpt_dir and (cfg.save or cfg.load):
-        raise ValueError(f"--ckpt-dir {cfg.ckpt_dir} means both --save and --load: give either "
-                         f"--ckpt-dir or --save/--load")
     save = cfg.save_dir()
     if save and not cfg.load_dir() and os.path.isdir(save) and (found := checkpoints(save)):
         raise ValueError(f"--save {save} already holds checkpoints (newest {found[-1].name}) and "
@@ -158,7 +111,7 @@ def _check_checkpoint_folders(cfg: TrainConfig) -> None:
 
 def _check_layout(cfg: TrainConfig, model: ModelConfig, world: int) -> None:
     """Expert parallelism, ZeRO and the batch against the model and the world size."""
-    ep = cfg.expert_parallel_size
+    ep = cfg.expert_model_parallel_size
     if model.arch == "aoe":
         model.aoe_config(ep)  # EP must divide the experts
     elif model.num_experts % ep:
@@ -183,7 +136,7 @@ def _read_data(cfg: TrainConfig, model: ModelConfig, steps: int) -> tuple:
     if cfg.mock_data:
         return None, {}
 
-    data = DataConfig.from_args(cfg.data, split=cfg.split, train=cfg.train_data_path,
+    data = DataConfig.from_args(cfg.data_path, split=cfg.split, train=cfg.train_data_path,
                                 valid=cfg.valid_data_path, test=cfg.test_data_path)
     manifests = read_manifests(data.prefixes, no_manifest=cfg.no_manifest,
                                tokenizer_model=cfg.tokenizer_model, say=_on_rank0)

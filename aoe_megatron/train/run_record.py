@@ -60,7 +60,7 @@ def start_lines(parts) -> list:
     return [*console.arguments_lines(run.record()),
             console.parameters_line(total=counts.total, active=counts.active,
                                     local=sum(p.numel() for p in parts.model.parameters())),
-            console.layout_line(world=run.world_size, ep=cfg.expert_parallel_size,
+            console.layout_line(world=run.world_size, ep=cfg.expert_model_parallel_size,
                                 zero=cfg.zero_stage, micro=cfg.micro_batch_size,
                                 grad_accum=run.grad_accum, global_batch=cfg.global_batch_size,
                                 seq_length=run.model.seq_length, device=device,

@@ -18,7 +18,7 @@ from aoe_megatron.train import console, datacheck
 from aoe_megatron.train.balance import biased_routers
 from aoe_megatron.train.batches import Batches
 from aoe_megatron.train.engine import build_engine
-from aoe_megatron.train.faults import NonFinitePolicy, parse_steps
+from aoe_megatron.train.faults import NonFinitePolicy
 from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.metrics import attach_stock_router_stats
 from aoe_megatron.train.run import Run
@@ -57,13 +57,13 @@ def set_up(run: Run, *, rank: int) -> Parts:
 
     cfg, world = run.cfg, run.world_size
     distributed.init_megatron(rank=rank, world_size=world,
-                              expert_parallel_size=cfg.expert_parallel_size, seed=cfg.seed,
+                              expert_parallel_size=cfg.expert_model_parallel_size, seed=cfg.seed,
                               timeout_minutes=cfg.distributed_timeout_minutes)
     bf16 = cfg.bf16()
     extra = {"bf16": True, "params_dtype": torch.bfloat16} if bf16 else {}
-    if cfg.recompute:
+    if cfg.moe_layer_recompute:
         extra.update(recompute_granularity="selective", recompute_modules=["moe"])
-    tc = transformer_config(run.model, expert_parallel_size=cfg.expert_parallel_size, **extra)
+    tc = transformer_config(run.model, expert_parallel_size=cfg.expert_model_parallel_size, **extra)
     torch.manual_seed(cfg.seed)
     model = build_gpt_model(run.model, tc)
     if torch.cuda.is_available():
@@ -71,9 +71,9 @@ def set_up(run: Run, *, rank: int) -> Parts:
     engine, _, scheduler = build_engine(
         model, zero_stage=cfg.zero_stage, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
         weight_decay=cfg.weight_decay, micro_batch=cfg.micro_batch_size, grad_accum=run.grad_accum,
-        ep_size=cfg.expert_parallel_size, num_experts=run.model.num_experts, bf16=bf16,
+        ep_size=cfg.expert_model_parallel_size, num_experts=run.model.num_experts, bf16=bf16,
         grad_accum_dtype=cfg.grad_accum_dtype, clip_grad=cfg.clip_grad,
-        lr_schedule=run_schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+        lr_schedule=run_schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.lr_warmup_iters,
                                  total_steps=run.steps),  # a resume may retarget it
     )
     distributed.bound_collective_waits(cfg.distributed_timeout_minutes)  # DeepSpeed's groups too
@@ -85,8 +85,8 @@ def set_up(run: Run, *, rank: int) -> Parts:
         run=run, rank=rank, model=model, engine=engine, scheduler=scheduler,
         batches=Batches(run, dp_rank, dp_size),
         nonfinite=NonFinitePolicy(limit=cfg.skip_nonfinite, ckpt_dir=cfg.save_dir(),
-                                  inject=parse_steps(cfg.inject_nonfinite)),
-        layout={"world_size": world, "expert_parallel_size": cfg.expert_parallel_size,
+                                  inject=cfg.nonfinite_steps),
+        layout={"world_size": world, "expert_parallel_size": cfg.expert_model_parallel_size,
                 "zero_stage": cfg.zero_stage},
         data_fingerprint=datacheck.agreed_fingerprint(run.data, run.manifests),
         stock_stats=attach_stock_router_stats(model) if run.model.arch == "moe" else [],

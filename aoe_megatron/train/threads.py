@@ -14,7 +14,7 @@ of the logged intervals after the first, alternating; docs/training.md):
 So where the user has not set ``OMP_WAIT_POLICY``, a training process sets it to ``PASSIVE``
 (torch's thread count unchanged): 8% below spinning on an idle machine, never the collapse beside
 another job. GNU OpenMP reads the variable once, as torch loads: ``aoe-train``'s entry point
-(``train/command.py``) calls :func:`prefer_passive_wait` before anything imports torch.
+(``cli/train.py``) calls :func:`prefer_passive_wait` before anything imports torch.
 """
 
 from __future__ import annotations

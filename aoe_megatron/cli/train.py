@@ -1,11 +1,13 @@
-"""``aoe-train``'s entry point (and ``python -m aoe_megatron.train``'s): ``--help`` and
+"""``aoe-train`` (and ``python -m aoe_megatron.train``, torchrun's form): ``--help`` and
 ``--version`` are answered from the flag schema (``train/flags.py``) before torch loads; anything
-else is the training loop's ``main`` (``train/loop.py``)."""
+else is the training loop's ``main`` (``train/loop.py``: the run's settings, lock, run directory
+and signals around the loop)."""
 
 from __future__ import annotations
 
 import sys
 
+from aoe_megatron.runtime.exit import exit_now
 from aoe_megatron.train.flags import parser
 from aoe_megatron.train.threads import prefer_passive_wait
 
@@ -25,3 +27,7 @@ def main(argv=None) -> int:
         main as train)
 
     return train(argv)
+
+
+if __name__ == "__main__":
+    exit_now(main())
