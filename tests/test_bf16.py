@@ -99,7 +99,7 @@ def _shares(rank, world_size, stages, ep, out):
     import torch.distributed as dist
 
     from aoe_megatron.models.gpt import build_gpt_model, load_preset, transformer_config
-    from aoe_megatron.train import optim_state
+    from aoe_megatron.checkpoint import optim_state
     from aoe_megatron.train.engine import build_engine
 
     cfg = load_preset("tiny", vocab_size=512)

@@ -13,7 +13,10 @@ import pytest
 
 from aoe_megatron.checkpoint import integrity, layout
 from aoe_megatron.runtime import hashing, launch
-from aoe_megatron.train import checkpoint as ckpt
+from aoe_megatron.checkpoint import resume as ckpt
+from aoe_megatron.checkpoint.errors import CheckpointTooOld
+from aoe_megatron.checkpoint.save import apply_retention
+from aoe_megatron.train.resume_checks import ResumeError, check_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +176,7 @@ def test_retention_keeps_the_newest_latest_and_last_verified(tmp_path):
     (tmp_path / "step_00000007.partial-host-123").mkdir()
     (tmp_path / "latest").write_text("step_00000005\n")  # e.g. rolled back by hand
     (tmp_path / "last_verified").write_text("step_00000002\n")
-    deleted = ckpt.apply_retention(tmp_path, 2, log=lambda _: None)
+    deleted = apply_retention(tmp_path, 2, log=lambda _: None)
     assert sorted(p.name for p in deleted) == ["step_00000001", "step_00000003",
                                                "step_00000004", "step_00000007.partial-host-123"]
     assert [p.name for p in layout.checkpoints(tmp_path)] == ["step_00000002", "step_00000005",
@@ -251,7 +254,7 @@ def test_a_checkpoint_of_the_old_format_is_refused_with_the_way_out(tmp_path):
     (old / "model").mkdir(parents=True)
     (old / "optim_rank0.pt").write_bytes(b"")
     (old / "state.json").write_text(json.dumps({"step": 4, "layout": {}}))
-    with pytest.raises(ckpt.ResumeError, match=f"--load-weights {old}"):
+    with pytest.raises(CheckpointTooOld, match=f"--load-weights {old}"):
         ckpt.load_checkpoint(old, engine=None, model=None, scheduler=None, layout={})
 
 
@@ -259,9 +262,9 @@ def test_resume_refuses_another_model_or_global_batch_with_both_values():
     saved = {"config": {"model": {"num_layers": 2, "arch": "aoe", "top": [1, 2]},
                         "train": {"global_batch_size": 8}}}
     same = {"model": {"num_layers": 2, "arch": "aoe", "top": (1, 2)}, "train": {"global_batch_size": 8}}
-    ckpt.check_config(saved, same, "ck/step_00000002")  # tuples are lists in state.json
+    check_config(saved, same, "ck/step_00000002")  # tuples are lists in state.json
     other = {"model": {"num_layers": 4, "arch": "aoe", "top": (1, 2)}, "train": {"global_batch_size": 16}}
-    with pytest.raises(ckpt.ResumeError) as err:
-        ckpt.check_config(saved, other, "ck/step_00000002")
+    with pytest.raises(ResumeError) as err:
+        check_config(saved, other, "ck/step_00000002")
     assert "model.num_layers: 2 in the checkpoint, 4 now" in str(err.value)
     assert "train.global_batch_size: 8 in the checkpoint, 16 now" in str(err.value)

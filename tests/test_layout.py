@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "aoe_megatron"
 ALLOWED = {
     "patches": set(),
     "runtime": {"patches"},
-    "checkpoint": {"models", "runtime"},
+    "checkpoint": {"models", "patches", "runtime"},
     "moe": {"runtime"},
     "models": {"moe", "runtime"},
     "data": {"runtime"},

@@ -175,7 +175,7 @@ def _rng_round_trip(rank, world_size):
     import torch
     from megatron.core import tensor_parallel
 
-    from aoe_megatron.train import optim_state
+    from aoe_megatron.checkpoint import optim_state
 
     def draws():
         with tensor_parallel.get_cuda_rng_tracker().fork():

@@ -108,8 +108,8 @@ def _crash_during_save(rank, world_size, ckpt_dir):
     from aoe_megatron.checkpoint import integrity
     from aoe_megatron.checkpoint.layout import latest_checkpoint
     from aoe_megatron.runtime import hashing
-    from aoe_megatron.train import checkpoint as ckpt
-    from aoe_megatron.train.checkpoint_save import save_checkpoint
+    from aoe_megatron.checkpoint import resume as ckpt
+    from aoe_megatron.checkpoint.save import save_checkpoint
     from aoe_megatron.train.engine import build_engine
 
     cfg = load_preset("tiny", vocab_size=512)

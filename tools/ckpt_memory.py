@@ -7,7 +7,7 @@
 Trains one step of a model large enough to see the optimizer state (about 141M parameters:
 hidden 1024, 2 layers, 8 experts of ffn 2048), saves, then resumes in a second run and saves
 again at its end. Each save and load logs the most any rank's resident memory rose above its
-level before (``train/host_memory.py``: Linux's VmHWM, reset before the work); this collects
+level before (``runtime/host_memory.py``: Linux's VmHWM, reset before the work); this collects
 those lines, with the optimizer state's full size (fp32 master + 2 Adam moments, 12 bytes a
 parameter) to compare them with.
 """

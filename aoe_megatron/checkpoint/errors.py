@@ -16,5 +16,10 @@ class CheckpointDamaged(CheckpointError):
     unreadable."""
 
 
+class CheckpointTooOld(CheckpointError):
+    """A checkpoint of an older format than a resume reads (its weights still load:
+    ``--load-weights``)."""
+
+
 class CheckpointTooNew(CheckpointError):
     """A checkpoint the installed megatron-core cannot read (saved by a later release)."""

@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 
 from aoe_megatron.checkpoint.errors import CheckpointError
+from aoe_megatron.checkpoint.save import save_checkpoint
 from aoe_megatron.data.index_cache import DataCacheError
 from aoe_megatron.runtime import signals
 from aoe_megatron.runtime.distributed import reduce_across_ranks, shutdown
 from aoe_megatron.runtime.launch import SUMMARY_VAR
 from aoe_megatron.train import console, threads
 from aoe_megatron.train.batches import lm_loss
-from aoe_megatron.train.checkpoint_save import save_checkpoint
 from aoe_megatron.train.config import TrainConfig
 from aoe_megatron.train.launcher_env import adopt_single_process_env, adopt_slurm_env
 from aoe_megatron.train.data_index import build_index_only

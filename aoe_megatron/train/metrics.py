@@ -33,7 +33,7 @@ import torch
 from aoe_megatron.moe.selection_stats import SelectionStats
 from aoe_megatron.runtime import distributed
 from aoe_megatron.train import console as _console
-from aoe_megatron.train.host_memory import resident_bytes
+from aoe_megatron.runtime.host_memory import resident_bytes
 
 
 def _number(value):

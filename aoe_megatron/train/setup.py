@@ -9,18 +9,19 @@ from typing import Any, Optional
 
 import torch
 
-from aoe_megatron.checkpoint import integrity
+from aoe_megatron.checkpoint import integrity, optim_state
+from aoe_megatron.checkpoint import resume as ckpt
 from aoe_megatron.checkpoint.model import load_weights
 from aoe_megatron.models.gpt import build_gpt_model, transformer_config
 from aoe_megatron.runtime import distributed
-from aoe_megatron.train import checkpoint as ckpt
+from aoe_megatron.runtime.host_memory import gib
 from aoe_megatron.train import console, datacheck
 from aoe_megatron.train.balance import biased_routers
 from aoe_megatron.train.batches import Batches
 from aoe_megatron.train.engine import build_engine
 from aoe_megatron.train.faults import NonFinitePolicy
-from aoe_megatron.train.host_memory import gib
 from aoe_megatron.train.metrics import attach_stock_router_stats
+from aoe_megatron.train.resume_checks import check_config, check_schedule
 from aoe_megatron.train.run import Run
 from aoe_megatron.train.schedule import run_schedule
 
@@ -101,6 +102,20 @@ def _say(parts: Parts, message: str) -> None:
         console.say(message)
 
 
+def _resumable(parts: Parts, saved: dict) -> Optional[str]:
+    """What this run must share with the checkpoint ``saved`` before it loads (each refusal
+    raises): the model and batch, the learning-rate schedule (the checkpoint's is put in force
+    with --use-checkpoint-opt_param-scheduler), the data. Returns the note to say once loaded."""
+    run, cfg, path = parts.run, parts.run.cfg, saved["path"]
+    check_config(saved, run.record(), path)
+    schedule, note = check_schedule(saved, run.record(), path)
+    datacheck.check_resume(saved.get("data"), parts.data_fingerprint, checkpoint=path,
+                           allow=cfg.allow_data_change, announce=parts.rank == 0)
+    if schedule is not None:  # --use-checkpoint-opt_param-scheduler
+        optim_state.use_schedule(parts.scheduler, schedule)
+    return note
+
+
 def _resume_or_initialise(parts: Parts) -> int:
     """Resume from the newest verified checkpoint in ``--load`` (``--ckpt-dir``), or load
     ``--load-weights``; returns the steps already done."""
@@ -112,12 +127,8 @@ def _resume_or_initialise(parts: Parts) -> int:
     if cfg.load_dir():
         state = ckpt.resume(
             cfg.load_dir(), mark_verified=cfg.load_dir() == cfg.save_dir(), engine=parts.engine,
-            model=parts.model, scheduler=parts.scheduler, layout=parts.layout,
-            config=run.record(), seed=cfg.seed,
-            log=console.say,
-            before_load=lambda saved: datacheck.check_resume(
-                saved.get("data"), parts.data_fingerprint, checkpoint=saved["path"],
-                allow=cfg.allow_data_change, announce=parts.rank == 0))
+            model=parts.model, scheduler=parts.scheduler, layout=parts.layout, seed=cfg.seed,
+            log=console.say, before_load=lambda saved: _resumable(parts, saved))
     if state is not None:
         peak = state.get("host_peak_bytes")
         _say(parts, f"resumed from {state['path']} at step {state['step']} in "

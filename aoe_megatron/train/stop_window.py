@@ -23,7 +23,7 @@ import time
 from typing import Callable, Mapping, Optional
 
 from aoe_megatron.checkpoint.layout import checkpoints, read_state
-from aoe_megatron.train.host_memory import gib
+from aoe_megatron.runtime.host_memory import gib
 
 WINDOW_VAR = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCHRUN_DEFAULT = 30.0

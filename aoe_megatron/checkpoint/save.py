@@ -1,5 +1,5 @@
-"""Writing a checkpoint (the layout and its guarantees: ``train/checkpoint.py``), and how long it
-took.
+"""Writing a checkpoint (its layout and guarantees: ``checkpoint/resume.py``), how long it took,
+and keeping the folder to its ``--keep-last`` newest.
 
 Every save records in its ``state.json`` what it wrote and how long that took, under ``"save"``:
 ``seconds`` from the start of the save until every file was written and hashed (all that is left
@@ -16,17 +16,17 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from aoe_megatron.checkpoint import integrity
+from aoe_megatron.checkpoint import integrity, optim_state
+from aoe_megatron.checkpoint.layout import (FORMAT, LATEST, STATE, VERIFIED, checkpoints,
+                                            read_pointer, step_name, write_pointer)
+from aoe_megatron.runtime.distributed import reduce_across_ranks
+from aoe_megatron.runtime.host_memory import PeakHostMemory
 from aoe_megatron.runtime.versions import installed_mcore
-from aoe_megatron.train import optim_state
-from aoe_megatron.checkpoint.layout import FORMAT, LATEST, STATE, step_name, write_pointer
-from aoe_megatron.train.checkpoint import _max_over_ranks, apply_retention
-from aoe_megatron.train.host_memory import PeakHostMemory
 
 
 def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_samples: int,
@@ -56,7 +56,7 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
             dist_checkpointing.save(optim_state.sharded_optimizer_state(model, engine),
                                     str(tmp / "optimizer"))
         if stats is not None:
-            stats["host_peak_bytes"] = _max_over_ranks(peak.added_bytes)
+            stats["host_peak_bytes"] = max_over_ranks(peak.added_bytes)
         torch.save(optim_state.rng_state(), tmp / "rng" / f"rank{rank}.pt")
         dist.barrier()
         # The data files were hashed as they were written (patches/
@@ -91,3 +91,24 @@ def save_checkpoint(ckpt_dir, *, step: int, engine, model, scheduler, consumed_s
             apply_retention(root, keep_last)
     dist.barrier()
     return final
+
+
+def max_over_ranks(nbytes: Optional[int]) -> Optional[int]:
+    """The largest of every rank's figure (collective); None if any rank has none."""
+    most = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else nbytes), op="max").item())
+    least = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else 0), op="max").item())
+    return None if least < 0 else most
+
+
+def apply_retention(ckpt_dir, keep_last: int, log: Callable = print) -> list:
+    """Delete all but the ``keep_last`` newest checkpoints, never the one ``latest`` names nor
+    ``last_verified``; also leftovers of interrupted saves. Returns what was deleted."""
+    root = Path(ckpt_dir)
+    protect = {read_pointer(root, LATEST), read_pointer(root, VERIFIED)}
+    doomed = [p for p in checkpoints(root)[:-keep_last] if p.name not in protect]
+    doomed += [p for p in root.glob("step_*.partial-*") if p.is_dir()]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    if doomed:
+        log(f"--keep-last {keep_last}: deleted {', '.join(p.name for p in doomed)}")
+    return doomed

@@ -29,7 +29,6 @@ import warnings
 import torch
 
 from aoe_megatron.runtime.distributed import broadcast_from
-from aoe_megatron.train.schedule import Schedule
 
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 """Per parameter: the fp32 master weight and AdamW's two moments."""
@@ -238,13 +237,14 @@ def restore_schedule(scheduler, last_epoch: int) -> None:
 
 
 def schedule_in_force(scheduler):
-    """The ``schedule.Schedule`` a LambdaLR runs on (its factor), or None for another factor."""
+    """The schedule a LambdaLR runs on, where its factor records itself (``record()``: the
+    trainer's ``train.schedule.Schedule``), else None (a plain function)."""
     factors = getattr(scheduler, "lr_lambdas", None) or [None]
-    return factors[0] if isinstance(factors[0], Schedule) else None
+    return factors[0] if callable(getattr(factors[0], "record", None)) else None
 
 
 def use_schedule(scheduler, schedule) -> None:
-    """Put ``schedule`` (a ``schedule.Schedule``) in force in a LambdaLR at its position: its
+    """Put ``schedule`` (a ``train.schedule.Schedule``) in force in a LambdaLR at its position: its
     factor in every parameter group and its peak as every group's base rate (``initial_lr``, the
     scheduler's ``base_lrs``), so that each step's rate is ``schedule.lr_at(step)``."""
     groups = scheduler.optimizer.param_groups

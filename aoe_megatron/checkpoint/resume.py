@@ -15,27 +15,28 @@ It is written as ``step_N.partial-*`` and renamed when complete on every rank; t
 checkpoint that verifies; ``last_verified`` names the newest checkpoint that passed a check, and
 retention (``keep_last``) never deletes it or the one ``latest`` names.
 
-The save itself is ``train/checkpoint_save.py``; this module resumes, loads and keeps the folder.
+The save itself is ``checkpoint/save.py``; this module resumes and loads. What a resume must
+match (the model, the batch, the learning-rate schedule) is the trainer's to say
+(``train/resume_checks.py``, through ``before_load``).
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from aoe_megatron.checkpoint import integrity
+from aoe_megatron.checkpoint import integrity, optim_state
+from aoe_megatron.checkpoint.errors import CheckpointDamaged, CheckpointTooOld
 from aoe_megatron.checkpoint.layout import (FORMAT, LATEST, VERIFIED, checkpoints, read_pointer,
                                             read_state, write_pointer)
-from aoe_megatron.patches.mcore_dist_ckpt_results_queue import upstream_name
-from aoe_megatron.runtime.distributed import reduce_across_ranks
-from aoe_megatron.train import optim_state
-from aoe_megatron.train.host_memory import PeakHostMemory
 from aoe_megatron.checkpoint.model import check_release
-from aoe_megatron.train.resume_checks import ResumeError, check_config, check_schedule
+from aoe_megatron.checkpoint.save import max_over_ranks
+from aoe_megatron.patches.mcore_dist_ckpt_results_queue import upstream_name
+from aoe_megatron.runtime.host_memory import PeakHostMemory
+
 
 def start_writer() -> None:
     """Start megatron-core's checkpoint-writer helper now, deaf to the stop signals.
@@ -62,27 +63,6 @@ def start_writer() -> None:
             signal.signal(sig, handler)
 
 
-def _max_over_ranks(nbytes: Optional[int]) -> Optional[int]:
-    """The largest of every rank's figure (collective); None if any rank has none."""
-    most = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else nbytes), op="max").item())
-    least = int(reduce_across_ranks(torch.tensor(-1 if nbytes is None else 0), op="max").item())
-    return None if least < 0 else most
-
-
-def apply_retention(ckpt_dir, keep_last: int, log: Callable = print) -> list:
-    """Delete all but the ``keep_last`` newest checkpoints, never the one ``latest`` names nor
-    ``last_verified``; also leftovers of interrupted saves. Returns what was deleted."""
-    root = Path(ckpt_dir)
-    protect = {read_pointer(root, LATEST), read_pointer(root, VERIFIED)}
-    doomed = [p for p in checkpoints(root)[:-keep_last] if p.name not in protect]
-    doomed += [p for p in root.glob("step_*.partial-*") if p.is_dir()]
-    for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
-    if doomed:
-        log(f"--keep-last {keep_last}: deleted {', '.join(p.name for p in doomed)}")
-    return doomed
-
-
 def _candidates(ckpt_dir, log: Callable) -> list:
     """Checkpoints to try, best first: the one ``latest`` names, then older ones, newest first."""
     complete = checkpoints(ckpt_dir)
@@ -102,17 +82,18 @@ def _describe_changes(saved: dict, now: dict) -> list:
             if saved.get(key) != now.get(key)]
 
 
-def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, seed: int,
+def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, seed: int,
            log: Callable = print, before_load: Optional[Callable] = None,
            mark_verified: bool = True) -> Optional[dict]:
     """Restore the newest checkpoint of ``ckpt_dir`` that verifies (None: there is none yet).
 
     A checkpoint that fails verification is reported with the file at fault and the next older
-    one is tried; if checkpoints exist but none verifies, this raises rather than start over.
-    Before anything loads, the model, global batch and lr schedule are checked against
-    ``config`` (``resume_checks``); ``before_load(state)`` may also refuse (by raising).
-    ``mark_verified``: record the checkpoint as ``last_verified`` in ``ckpt_dir`` (retention's
-    fallback), only where this run also saves (a --load folder of another run is not written).
+    one is tried; if checkpoints exist but none verifies, this raises (CheckpointDamaged) rather
+    than start over. ``before_load(state)`` (``state["path"]`` names the checkpoint) runs before
+    anything loads: it may refuse by raising, and what it returns, if anything, is said once the
+    checkpoint is loaded. ``mark_verified``: record the checkpoint as ``last_verified`` in
+    ``ckpt_dir`` (retention's fallback), only where this run also saves (a --load folder of
+    another run is not written).
     """
     rank = dist.get_rank()
     say = log if rank == 0 else (lambda *_: None)
@@ -141,22 +122,17 @@ def resume(ckpt_dir, *, engine, model, scheduler, layout: dict, config: dict, se
         state = read_state(path)
         if rank == 0 and mark_verified and state.get("format", 1) >= FORMAT:
             write_pointer(ckpt_dir, VERIFIED, path.name)
-        check_config(state, config, path)
-        schedule, note = check_schedule(state, config, path)
         state["path"] = str(path)
-        if before_load is not None:
-            before_load(state)
-        if schedule is not None:  # --use-checkpoint-opt_param-scheduler
-            optim_state.use_schedule(scheduler, schedule)
+        note = before_load(state) if before_load is not None else None
         load_checkpoint(path, engine=engine, model=model, scheduler=scheduler, layout=layout,
                         seed=seed, state=state, log=say)
         if note:
             say(note)
         return state
     if tried:
-        raise ResumeError(f"no checkpoint in {ckpt_dir} verifies (tried {', '.join(tried)}); "
-                           f"nothing was loaded. Restore the files, or move the directory away "
-                           f"to start over")
+        raise CheckpointDamaged(f"no checkpoint in {ckpt_dir} verifies (tried {', '.join(tried)}); "
+                                f"nothing was loaded. Restore the files, or move the directory "
+                                f"away to start over")
     return None
 
 
@@ -168,8 +144,9 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
     path = Path(path)
     state = state or read_state(path)
     if state.get("format", 1) < FORMAT:
-        raise ResumeError(f"{path} was written by an older aoe-megatron (per-rank optimizer files, "
-                          f"no manifest): start from its weights with --load-weights {path}")
+        raise CheckpointTooOld(f"{path} was written by an older aoe-megatron (per-rank optimizer "
+                               f"files, no manifest): start from its weights with --load-weights "
+                               f"{path}")
     check_release(path)
     rank = dist.get_rank()
     # AdamW's own state (made lazily at a run's first step) is created before the measurement:
@@ -180,7 +157,7 @@ def load_checkpoint(path, *, engine, model, scheduler, layout: dict, seed: int =
                                          str(path / "optimizer"))
         optim_state.restore_optimizer_state(model, engine, loaded, step=state["adam_step"])
         del loaded
-    state["host_peak_bytes"] = _max_over_ranks(peak.added_bytes)
+    state["host_peak_bytes"] = max_over_ranks(peak.added_bytes)
     optim_state.weights_from_masters(engine)
     optim_state.restore_schedule(scheduler, state["scheduler_last_epoch"])
     changes = _describe_changes(state["layout"], layout)
