@@ -41,7 +41,7 @@ LINE = re.compile(r"verified (\S+): (\d+) files, (\d+) hashed \(([\d.]+) GB\) in
 RESUMED = re.compile(r"resumed from \S+ at step \d+ in ([\d.]+) s")
 
 
-def _args(ckpt: Path, run_dir: Path, model: list, steps: int) -> list:
+def train_args(ckpt: Path, run_dir: Path, model: list, steps: int) -> list:
     sets = [a for kv in model for a in ("--set", kv)]
     return ["--preset", "tiny", *sets, "--mock-data", "--expert-model-parallel-size", "2",
             "--train-iters", str(steps), "--save-interval", "1", "--eval-interval", "0",
@@ -55,7 +55,7 @@ def _launch(args: list, env: dict) -> str:
     return done.output
 
 
-def _bytes(path: Path) -> int:
+def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -76,9 +76,9 @@ def main(argv=None) -> int:
     began = time.time()
     print(f"training and saving one step ({'tiny' if args.quick else 'widened tiny'} model)",
           flush=True)
-    _launch(_args(ckpt, run_dir, model, 1), {})
+    _launch(train_args(ckpt, run_dir, model, 1), {})
     step_dir = ckpt / "step_00000001"
-    size = _bytes(step_dir)
+    size = folder_bytes(step_dir)
     print(f"checkpoint {step_dir}: {size / 1e9:.2f} GB", flush=True)
     results = {mode: {"verify_s": [], "resume_s": [], "hashed": []} for mode in MODES}
     for rep in range(args.reps):
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
             if args.cold:
                 os.sync()
                 Path("/proc/sys/vm/drop_caches").write_text("3\n")
-            output = _launch(_args(ckpt, run_dir, model, 1), env)
+            output = _launch(train_args(ckpt, run_dir, model, 1), env)
             verified, resumed = LINE.search(output), RESUMED.search(output)
             if not (verified and resumed):
                 raise SystemExit(f"no verification or resume line in:\n{output[-3000:]}")

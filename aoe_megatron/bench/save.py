@@ -30,7 +30,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from aoe_megatron.bench.resume import LARGE, QUICK, _args, _bytes
+from aoe_megatron.bench.resume import LARGE, QUICK, folder_bytes, train_args
 from aoe_megatron.runtime import launch
 
 SAVED = re.compile(r"saved (\S+) \(([\d.]+) s")
@@ -48,14 +48,14 @@ def _one_save(tree: Path | None, out: Path, model: list) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {"PYTHONPATH": str(tree)} if tree else {}
     cpu, began = _children_cpu(), time.perf_counter()
-    done = launch.run(_args(ckpt, run_dir, model, 1), nproc=2, env=env, threads=1,
+    done = launch.run(train_args(ckpt, run_dir, model, 1), nproc=2, env=env, threads=1,
                       cwd=tree, timeout=1800)
     wall, cpu = time.perf_counter() - began, _children_cpu() - cpu
     saved = SAVED.search(done.output)
     if done.returncode != 0 or "resumed from" in done.output or not saved:  # resumed: not fresh
         raise SystemExit(f"the train command failed ({done.returncode}):\n{done.output[-4000:]}")
     step_dir = Path(saved.group(1))
-    record = {"save_s": float(saved.group(2)), "bytes": _bytes(step_dir),
+    record = {"save_s": float(saved.group(2)), "bytes": folder_bytes(step_dir),
               "command_cpu_s": round(cpu, 2), "command_s": round(wall, 2)}
     shutil.rmtree(ckpt, ignore_errors=True)
     shutil.rmtree(run_dir, ignore_errors=True)

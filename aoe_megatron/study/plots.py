@@ -8,7 +8,7 @@ from pathlib import Path
 from aoe_megatron.study.stats import band, layer_mean, smooth
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -17,7 +17,7 @@ def _pyplot():
     return plt
 
 
-def _draw_band(ax, b: dict, *, label: str, color, scale: float = 1.0) -> None:
+def draw_band(ax, b: dict, *, label: str, color, scale: float = 1.0) -> None:
     x = [s * scale for s in b["steps"]]
     ax.plot(x, b["mean"], label=label, color=color, lw=1.6)
     ax.fill_between(x, b["min"], b["max"], color=color, alpha=0.18, lw=0)
@@ -39,16 +39,16 @@ def _finish(plt, fig, axes, out: Path, *, titles, fontsize: int, xlabel: str, yl
 
 def loss_curves(curves: dict, labels: dict, tokens_per_step: dict, out: Path) -> Path:
     """``curves``: {arm: {"valid": [{step: loss} per seed], "train": [...]}}."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (arm, c) in enumerate(curves.items()):
         color = colors[i % len(colors)]
         scale = tokens_per_step[arm] / 1e6
         if c["valid"]:
-            _draw_band(axes[0], band(c["valid"]), label=labels[arm], color=color, scale=scale)
+            draw_band(axes[0], band(c["valid"]), label=labels[arm], color=color, scale=scale)
         if c["train"]:
-            _draw_band(axes[1], band([smooth(s, 10) for s in c["train"]]), label=labels[arm],
+            draw_band(axes[1], band([smooth(s, 10) for s in c["train"]]), label=labels[arm],
                        color=color, scale=scale)
     titles = [t + "; mean of seeds, band min..max" for t in
               ("held-out validation loss", "training loss (10-step moving mean)")]
@@ -58,7 +58,7 @@ def loss_curves(curves: dict, labels: dict, tokens_per_step: dict, out: Path) ->
 
 def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
     """``train_records``: {arm: [{step: train record} per seed]}; layer-mean Ent_load, Ent_conf."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (arm, seeds) in enumerate(train_records.items()):
@@ -66,7 +66,7 @@ def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
             series = [smooth({k: layer_mean(r, key) for k, r in s.items() if r.get("layers")}, 10)
                       for s in seeds]  # statistics are gathered on logging steps only
             if series and series[0]:
-                _draw_band(ax, band(series), label=labels[arm], color=colors[i % len(colors)])
+                draw_band(ax, band(series), label=labels[arm], color=colors[i % len(colors)])
     titles = ("Ent_load: entropy of the expert load (higher = more balanced)",
               "Ent_conf: mean entropy of a token's expert distribution (Eq. 8)")
     return _finish(plt, fig, axes, out, titles=titles, fontsize=9, xlabel="step",
@@ -76,7 +76,7 @@ def entropy_curves(train_records: dict, labels: dict, out: Path) -> Path:
 def expert_load(loads: dict, labels: dict, out: Path) -> Path:
     """``loads``: {arm: [[f_i per expert] per layer]} (held-out, mean over seeds): one heatmap an
     arm, colour = fraction of the layer's selections that go to the expert."""
-    plt = _pyplot()
+    plt = pyplot()
     arms = list(loads)
     fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms) + 1, 3.2), squeeze=False)
     vmax = max(max(max(row) for row in m) for m in loads.values())
@@ -96,7 +96,7 @@ def expert_load(loads: dict, labels: dict, out: Path) -> Path:
 def probe_bars(rows_by_arm: dict, out: Path) -> Path:
     """``rows_by_arm``: {label: [{"layer", "top1_mean", "top1_min", "top1_max", "chance",
     "spearman_mean", "spearman_min", "spearman_max"}]}: grouped bars a layer, one colour an arm."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     width = 0.8 / len(rows_by_arm)

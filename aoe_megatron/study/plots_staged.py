@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from aoe_megatron.study.plots import _draw_band, _pyplot
+from aoe_megatron.study.plots import draw_band, pyplot
 from aoe_megatron.study.stats import band
 
 
@@ -33,13 +33,13 @@ def loss_vs_tokens(curves: dict, out: Path) -> Path | None:
     curves = {s: arms for s, arms in curves.items() if arms}
     if not curves:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = _panels(plt, len(curves))
     arms = list(dict.fromkeys(a for stage in curves.values() for a in stage))
     colors = _colors(plt)
     for ax, (stage, by_arm) in zip(axes, curves.items()):
         for arm, c in by_arm.items():
-            _draw_band(ax, band(c["curves"]), label=f"{c['label']} ({len(c['curves'])} seeds)",
+            draw_band(ax, band(c["curves"]), label=f"{c['label']} ({len(c['curves'])} seeds)",
                        color=colors[arms.index(arm) % len(colors)], scale=1e-6)
         ax.set_title(f"{stage}: held-out loss (mean of seeds, band min..max)", fontsize=9)
         ax.set_xlabel("training tokens (millions)")
@@ -62,7 +62,7 @@ def sweep(rows_by_arm: dict, out: Path, *, stage: str = "") -> Path | None:
             lines.setdefault((arm, rest), []).append((lr, row["loss"], row["best"]))
     if not lines:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = _panels(plt, 1, width=7.0)
     ax, colors, styles = axes[0], _colors(plt), ["-", "--", ":", "-."]
     arms = list(dict.fromkeys(arm for arm, _ in lines))
@@ -94,7 +94,7 @@ def gap_vs_tokens(gaps: list, out: Path) -> Path | None:
             by_stage.setdefault(g["stage"], []).append(g)
     if not by_stage:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = _panels(plt, len(by_stage))
     colors = _colors(plt)
     for ax, (stage, series) in zip(axes, by_stage.items()):
@@ -126,7 +126,7 @@ def load_entropy(entropy: dict, out: Path) -> Path | None:
     entropy = {s: arms for s, arms in entropy.items() if arms}
     if not entropy:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = _panels(plt, len(entropy), width=6.0)
     arms = list(dict.fromkeys(a for stage in entropy.values() for a in stage))
     colors = _colors(plt)
