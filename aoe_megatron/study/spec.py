@@ -65,24 +65,19 @@ def _as_recorded(preset: dict) -> dict:
     return out
 
 
+def _upgraded(section, where: str, upgrade=upgrade_sections):
+    """A ``model:`` section (``upgrade=upgrade_train_keys``: a ``train:`` one) with old setting
+    names renamed (each warns; both names: SpecError)."""
+    if not isinstance(section, dict):
+        return section
+    try:
+        return upgrade(section, where=where)
+    except ValueError as err:
+        raise SpecError(str(err)) from None
+
+
 def _train_upgraded(train, where: str):
-    """A ``train:`` section with old setting names renamed (each warns; both names: SpecError)."""
-    if not isinstance(train, dict):
-        return train
-    try:
-        return upgrade_train_keys(train, where=where)
-    except ValueError as err:
-        raise SpecError(str(err)) from None
-
-
-def _upgraded(model, where: str):
-    """A ``model:`` section with old setting names renamed (each warns; both names: SpecError)."""
-    if not isinstance(model, dict):
-        return model
-    try:
-        return upgrade_sections(model, where=where)
-    except ValueError as err:
-        raise SpecError(str(err)) from None
+    return _upgraded(train, where, upgrade_train_keys)
 
 
 @dataclass(frozen=True)
