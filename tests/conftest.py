@@ -153,7 +153,8 @@ def study_data(tmp_path_factory):
 # ---- CPU-seconds per test (self + every waited-for child process), beside pytest's wall times ----
 # This VM has steal time, so wall time alone says little about what a test costs; a test whose CPU
 # is far under its wall time waits (a timeout, a signal, Slurm). `make test` prints the table;
-# AOE_TEST_TIMES=<file> also writes every test's {nodeid: [wall_s, cpu_s]} as JSON.
+# AOE_TEST_TIMES=<file> also adds every test's {nodeid: [wall_s, cpu_s]} to that JSON file (each
+# pytest session of `make test` its own tests: delete the file first for one run's).
 
 def _cpu_seconds() -> float:
     import resource
@@ -189,12 +190,26 @@ def pytest_runtest_logreport(report):
             _TIMES[report.nodeid] = [round(float(v), 2) for v in value]
 
 
+def _merge_times(path: Path) -> None:
+    """Add this session's times to ``path``: `make test` runs three pytest sessions, two of them at
+    once (the Makefile), so each reads, updates and rewrites the file under a lock."""
+    import fcntl
+
+    with open(path, "a+", encoding="utf-8") as fh:  # (appends land at the end: after truncate, 0)
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        text = fh.read()
+        times = {**(json.loads(text) if text.strip() else {}), **_TIMES}
+        fh.truncate(0)
+        fh.write(json.dumps(times, indent=1, sort_keys=True) + "\n")
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _TIMES:
         return
     path = os.environ.get("AOE_TEST_TIMES")
     if path:
-        Path(path).write_text(json.dumps(_TIMES, indent=1, sort_keys=True) + "\n")
+        _merge_times(Path(path))
     wall = sum(w for w, _ in _TIMES.values())
     cpu = sum(c for _, c in _TIMES.values())
     terminalreporter.section("wall and CPU seconds (this process and its children)")

@@ -48,6 +48,7 @@ def test_results_come_back_by_rank_with_the_rendezvous_set():
 
 
 @pytest.mark.distributed
+@pytest.mark.waits
 def test_a_rank_slow_to_exit_after_its_result_is_waited_for():
     started = time.monotonic()
     assert spawn(_slow_to_exit, 1, timeout=60) == [0]
@@ -55,6 +56,7 @@ def test_a_rank_slow_to_exit_after_its_result_is_waited_for():
 
 
 @pytest.mark.distributed
+@pytest.mark.waits
 def test_each_failed_hung_or_silent_rank_is_named():
     with pytest.raises(SpawnFailed, match=r"(?s)1 of 2 ranks failed.*rank 1 of 2.*ValueError: rank one's own error"):
         spawn(_rank_one_fails, 2, timeout=120, what="ranks")

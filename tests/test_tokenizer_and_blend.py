@@ -47,6 +47,29 @@ def test_trained_tokenizer_has_the_llama_id_layout(tmp_path, corpus_lines):
     assert sp.decode(sp.encode(text)) == text  # identity normalisation + byte fallback
 
 
+def test_the_same_corpus_trains_the_same_bytes(tmp_path, corpus_lines):
+    """The model file names its inputs as given, not the temporary file they were read through,
+    nor the thread count; the lines sampled beyond input_sentence_size are seeded: one sha256."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    from aoe_megatron.data.tokenizer import sha256_of
+    from aoe_megatron.data.train_tokenizer import train_tokenizer
+
+    src = tmp_path / "small.jsonl"
+    src.write_text("\n".join(corpus_lines[:400]) + "\n", encoding="utf-8")
+    prefix = str(tmp_path / "tok")
+    shas = []
+    for threads in (1, 2):  # trained again at the same prefix: the first file is overwritten
+        model = train_tokenizer([str(src)], prefix, vocab_size=400, num_threads=threads,
+                                input_sentence_size=200)  # of the 400+ lines
+        shas.append(sha256_of(model))
+    assert shas[0] == shas[1]
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    assert list(proto.trainer_spec.input) == [str(src)]
+    assert not proto.trainer_spec.HasField("num_threads")
+
+
 def _prefix(tmp_path, name, lines, tokenizer=None):
     src = tmp_path / f"{name}.jsonl"
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")

@@ -50,10 +50,18 @@ def iter_texts(paths: Iterable[str], json_key: str = "text") -> Iterator[str]:
 
 
 def train_tokenizer(inputs, output_prefix: str, *, vocab_size: int = 32000, json_key: str = "text",
-                    input_sentence_size: int = 2_000_000, num_threads: int | None = None) -> Path:
-    """Train and write ``{output_prefix}.model`` / ``.vocab``; returns the model path."""
+                    input_sentence_size: int = 2_000_000, num_threads: int | None = None,
+                    seed: int = 0) -> Path:
+    """Train and write ``{output_prefix}.model`` / ``.vocab``; returns the model path.
+
+    The same inputs and options give the same bytes on any machine (so the sha256 that data
+    manifests, run records and resume checks compare names the tokenizer, not the machine that
+    trained it): the sampling of lines beyond ``input_sentence_size`` is seeded, and the model's
+    record of its training is rewritten to name ``inputs`` as given instead of the temporary file
+    they were read through, without the thread count (the pieces do not depend on it)."""
     import sentencepiece as spm
 
+    inputs = [str(path) for path in inputs]
     if vocab_size < 259 + 8:
         raise ValueError(f"vocab_size={vocab_size} is too small: 3 special + 256 byte pieces + merges")
     Path(output_prefix).parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +73,7 @@ def train_tokenizer(inputs, output_prefix: str, *, vocab_size: int = 32000, json
     try:
         if lines == 0:
             raise ValueError(f"no text found in {list(inputs)}")
+        spm.set_random_generator_seed(seed)
         spm.SentencePieceTrainer.train(
             input=tmp.name, model_prefix=str(output_prefix), vocab_size=vocab_size,
             input_sentence_size=input_sentence_size, shuffle_input_sentence=True,
@@ -72,4 +81,22 @@ def train_tokenizer(inputs, output_prefix: str, *, vocab_size: int = 32000, json
         )
     finally:
         os.unlink(tmp.name)
-    return Path(f"{output_prefix}.model")
+    model = Path(f"{output_prefix}.model")
+    _record_inputs(model, inputs)
+    return model
+
+
+def _record_inputs(model: Path, inputs: list) -> None:
+    """Name ``inputs`` in the model's trainer record and drop the thread count (see above).
+    Needs protobuf, which tensorboard (a dependency) brings; without it the model is left as
+    written, still a valid tokenizer."""
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError:  # protobuf missing or too old: the model stays as sentencepiece wrote it
+        return
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.read_bytes())
+    proto.trainer_spec.ClearField("input")
+    proto.trainer_spec.input.extend(inputs)
+    proto.trainer_spec.ClearField("num_threads")
+    model.write_bytes(proto.SerializeToString())
