@@ -7,6 +7,7 @@ import copy
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import yaml
 
 from aoe_megatron.study import plan as planning
 from aoe_megatron.study import staged
-from aoe_megatron.study.runner import run_paths
+from aoe_megatron.study.runner import StudyError, run_paths
 from aoe_megatron.study.spec import SpecError, load_study, study_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def test_the_budget_starts_only_runs_that_fit_and_the_report_names_the_rest(tmp_
     study = _spec(SWEEP)
     started = []
 
-    def fake_execute(study_, out, run, *, echo=print):
+    def fake_execute(study_, out, run, *, echo=print, **_):
         started.append(run.key)
         _finish(study_, out, run, 3.0 - 0.001 * len(started), seconds=100.0)
 
@@ -129,6 +130,66 @@ def test_the_budget_starts_only_runs_that_fit_and_the_report_names_the_rest(tmp_
     assert missing[("compare", "aoe", 1)].startswith("waiting: aoe's best settings in stage tune")
     assert ("width", "best of aoe/aoe_matched at compare", 1) in missing
     assert results["stages"]["tune"]["tokens_per_step"] == 32 * 128
+
+
+def test_jobs_train_runs_at_once_and_a_failure_starts_no_other(tmp_path, monkeypatch):
+    """--jobs 2: two runs in flight at once (each waits at a barrier for the other), each told it
+    shares the cores and given the index lock; when one fails, the other finishes, nothing else
+    starts, and the failure is raised."""
+    import threading
+
+    study = _spec(SWEEP)
+    started, together = [], threading.Barrier(2, timeout=30)
+
+    def fake_execute(study_, out, run, *, echo=print, jobs=1, index_lock=None):
+        started.append((run.key, jobs, index_lock is not None))
+        if len(started) <= 2:
+            together.wait()  # breaks (and fails the run) unless both are in flight at once
+        _finish(study_, out, run, 3.0 - 0.001 * len(started), seconds=100.0)
+
+    monkeypatch.setattr(staged, "execute", fake_execute)
+    lines = []
+    staged.run_staged(study, tmp_path / "ok", arms=("moe",), seeds=(1,), jobs=2, echo=lines.append)
+    assert [k for k, _, _ in started[:2]] == [("tune", "moe-lr0.001", 1), ("tune", "moe-lr0.002", 1)]
+    assert {(jobs, locked) for _, jobs, locked in started} == {(2, True)}
+    plan = planning.make_plan(study, tmp_path / "ok")
+    assert list(planning.select(plan, arms=("moe",), seeds=(1,))) == []  # nothing left to run
+    assert len(started) == len([r for r in plan.runs if r.base == "moe" and r.seed == 1])
+
+    started.clear()
+    ended = []
+
+    def failing(study_, out, run, *, echo=print, jobs=1, index_lock=None):
+        started.append(run.key)
+        if len(started) == 1:
+            raise StudyError("the first run failed")
+        time.sleep(0.5)  # still running when the failure is seen
+        _finish(study_, out, run, 3.0)
+        ended.append(run.key)
+
+    monkeypatch.setattr(staged, "execute", failing)
+    with pytest.raises(StudyError, match="the first run failed"):
+        staged.run_staged(study, tmp_path / "fail", arms=("moe",), jobs=2, echo=lines.append)
+    assert len(started) == 2 and ended == [started[1]]
+    assert any("failed: no other run starts; waiting for the 1 running" in l for l in lines)
+
+
+def test_each_of_several_jobs_gets_its_share_of_the_cores(tmp_path, monkeypatch):
+    import os
+
+    study = _spec(SWEEP)
+    run = planning.make_plan(study, tmp_path).of("tune")[0]
+    seen = {}
+    monkeypatch.setattr(staged, "train_one", lambda *a, threads=None, index_lock=None, **k:
+                        seen.update(train=threads, lock=index_lock))
+    monkeypatch.setattr(staged, "evaluate_one", lambda *a, threads=None, **k: seen.update(eval=threads))
+    staged.execute(study, tmp_path, run, echo=lambda line: None)
+    assert seen == {"train": None, "lock": None, "eval": None}  # one job: the defaults
+    lock = object()
+    staged.execute(study, tmp_path, run, echo=lambda line: None, jobs=2, index_lock=lock)
+    cores = os.cpu_count() or 1
+    assert seen == {"train": max(1, cores // (2 * run.arm.world_size)), "lock": lock,
+                    "eval": max(1, cores // 2)}
 
 
 @pytest.mark.parametrize("change,phrase", [

@@ -59,13 +59,16 @@ def run_paths(out: Path, arm: Arm, seed: int) -> RunPaths:
     return RunPaths(Path(out) / "runs" / (arm.folder or arm.name) / f"seed{seed}")
 
 
-def train_command(arm: Arm, seed: int, data: str, paths: RunPaths, *, data_cache: Path) -> list:
-    """``data_cache``: the study's one dataset index cache (every run shares its corpus)."""
-    return launch.command(["--preset", paths.root / "preset.yaml", "--data-path", data, "--seed",
-                           seed, "--run-dir", paths.root, "--ckpt-dir", paths.ckpt,
-                           "--expert-model-parallel-size", arm.expert_parallel_size,
-                           "--data-cache-path", data_cache],
-                          nproc=arm.world_size)
+def train_command(arm: Arm, seed: int, data: str, paths: RunPaths, *, data_cache: Path,
+                  index_only: bool = False) -> list:
+    """``data_cache``: the study's one dataset index cache (every run shares its corpus).
+    ``index_only``: one process that builds the run's dataset index there and exits."""
+    args = ["--preset", paths.root / "preset.yaml", "--data-path", data, "--seed", seed,
+            "--run-dir", paths.root, "--ckpt-dir", paths.ckpt,
+            "--expert-model-parallel-size", arm.expert_parallel_size, "--data-cache-path", data_cache]
+    if index_only:
+        return launch.command([*args, "--build-data-index-only", "--world-size", arm.world_size])
+    return launch.command(args, nproc=arm.world_size)
 
 
 def _run_logged(cmd: list, log: Path, *, env: dict, what: str, echo) -> float:
@@ -91,8 +94,12 @@ def _read(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def train_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print) -> dict:
-    """Train (or resume, or reuse) one run; returns its study-run.json record."""
+def train_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print,
+              threads: int | None = None, index_lock=None) -> dict:
+    """Train (or resume, or reuse) one run; returns its study-run.json record. ``threads``: each
+    process's (default: the cores over the run's processes). ``index_lock``: where runs train at
+    once (``aoe-study --jobs``), the run's dataset index is built first, by one process, holding
+    the lock: two runs at the same seed would otherwise write the same cache files at once."""
     import yaml
 
     paths = run_paths(out, arm, seed)
@@ -118,8 +125,15 @@ def train_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print) -> di
     record = {"fingerprint": fingerprint, "arm": arm.name, "seed": seed, "command": cmd,
               "finished": False, "train_seconds": (record or {}).get("train_seconds", 0.0)}
     paths.record.write_text(json.dumps(record, indent=2) + "\n")
-    env = launch.child_env(threads=max(1, (os.cpu_count() or 1) // arm.world_size))
-    seconds = _run_logged(cmd, paths.log, env=env, what=f"{arm.name}/seed{seed}", echo=echo)
+    env = launch.child_env(threads=threads or max(1, (os.cpu_count() or 1) // arm.world_size))
+    seconds = 0.0
+    if index_lock is not None:
+        index = train_command(arm, seed, study.data, paths, data_cache=Path(out) / "data-cache",
+                              index_only=True)
+        with index_lock:
+            seconds += _run_logged(index, paths.log, env=env, what=f"{arm.name}/seed{seed} index",
+                                   echo=echo)
+    seconds += _run_logged(cmd, paths.log, env=env, what=f"{arm.name}/seed{seed}", echo=echo)
     if not paths.finished.is_file():
         raise StudyError(f"{arm.name} seed {seed} stopped before its last step (a signal?); run the "
                          f"study again to resume it from {paths.ckpt}")
@@ -129,10 +143,11 @@ def train_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print) -> di
 
 
 def evaluate_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print,
-                 probe: bool | None = None) -> dict:
+                 probe: bool | None = None, threads: int | None = None) -> dict:
     """Held-out evaluation (and the probe, for the arms that ask, or as ``probe`` says) of a run's
-    last checkpoint (with ``evaluation.checkpoints: all``, of every kept one), in a fresh process;
-    reused when eval.json is there for the same checkpoint and settings."""
+    last checkpoint (with ``evaluation.checkpoints: all``, of every kept one), in a fresh process
+    (``threads``: its torch threads; default, torch's own choice); reused when eval.json is there
+    for the same checkpoint and settings."""
     paths = run_paths(out, arm, seed)
     if probe is None:
         probe = arm.name in study.probe.get("arms", [])
@@ -143,7 +158,7 @@ def evaluate_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print,
         return done
     cmd = launch.command([paths.ckpt, "--data", study.data, "--output", paths.eval, "--settings",
                           json.dumps(settings)], module="aoe_megatron.study.evaluate")
-    seconds = _run_logged(cmd, paths.log, env=launch.child_env(),
+    seconds = _run_logged(cmd, paths.log, env=launch.child_env(threads=threads),
                           what=f"{arm.name}/seed{seed} eval", echo=echo)
     result = json.loads(paths.eval.read_text())
     result["eval_seconds"] = seconds
@@ -151,7 +166,8 @@ def evaluate_one(study: Study, arm: Arm, seed: int, out: Path, *, echo=print,
     return result
 
 
-def table1_probe(study: Study, out: Path, *, echo=print, arm: Arm | None = None) -> dict | None:
+def table1_probe(study: Study, out: Path, *, echo=print, arm: Arm | None = None,
+                 threads: int | None = None) -> dict | None:
     """The paper's Table 1 on one run of the stock-MoE arm (``arm``: that arm as a staged study
     runs it): its checkpoint exported to Hugging Face (aoe-convert-to-hf), routers replaced by
     each node's norm ranking (aoe-norm-probe --hf) on the held-out JSONL; reused when table1.json
@@ -171,13 +187,13 @@ def table1_probe(study: Study, out: Path, *, echo=print, arm: Arm | None = None)
     echo(f"  Table 1 probe: exporting {arm.name} seed {seed} and ranking its experts by node norms")
     seconds = _run_logged([sys.executable, "-m", "aoe_megatron.cli.convert_to_hf", "--checkpoint",
                            str(paths.ckpt), "--output", str(hf), "--data", study.data, "--overwrite"],
-                          log, env=launch.child_env(), what="table1 export", echo=echo)
+                          log, env=launch.child_env(threads=threads), what="table1 export", echo=echo)
     seconds += _run_logged([sys.executable, "-m", "aoe_megatron.cli.norm_probe", "--hf", str(hf),
                             "--text", str(t["text"]), "--node", "all",
                             "--max-docs", str(t.get("documents", 100)),
                             "--max-tokens", str(t.get("max_tokens", 128)),
                             "--batch-size", str(t.get("batch_size", 8)), "--output", str(result)],
-                           log, env=launch.child_env(), what="table1 probe", echo=echo)
+                           log, env=launch.child_env(threads=threads), what="table1 probe", echo=echo)
     done = json.loads(result.read_text())
     done.update(study_settings=t, arm=arm.name, seed=seed, seconds=seconds)
     result.write_text(json.dumps(done, indent=2) + "\n")

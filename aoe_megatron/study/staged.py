@@ -12,8 +12,11 @@ ends inside the budget.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from aoe_megatron.study import plan as planning
@@ -54,13 +57,21 @@ def _is_table1(study: Study, run: planning.PlannedRun) -> bool:
         int(t.get("seed", study.seeds[0])) == run.seed
 
 
-def execute(study: Study, out: Path, run: planning.PlannedRun, *, echo=print) -> None:
+def execute(study: Study, out: Path, run: planning.PlannedRun, *, echo=print, jobs: int = 1,
+            index_lock=None) -> None:
+    """Train, evaluate, probe and tidy one run; ``jobs`` runs at once share the cores (each
+    process gets its share of threads; with one job, the defaults: the cores over the run's
+    processes for training, torch's own choice for evaluation)."""
     stage = next(s for s in study.stages if s.name == run.stage)
-    train_one(study, run.arm, run.seed, out, echo=echo)
+    cores = os.cpu_count() or 1
+    train_threads = max(1, cores // (jobs * run.arm.world_size)) if jobs > 1 else None
+    threads = max(1, cores // jobs) if jobs > 1 else None
+    train_one(study, run.arm, run.seed, out, echo=echo, threads=train_threads,
+              index_lock=index_lock)
     probe = run.base in study.probe.get("arms", []) and run.stage in study.probe.get("stages", [run.stage])
-    evaluate_one(study, run.arm, run.seed, out, echo=echo, probe=probe)
+    evaluate_one(study, run.arm, run.seed, out, echo=echo, probe=probe, threads=threads)
     if _is_table1(study, run):
-        table1_probe(study, out, echo=echo, arm=run.arm)
+        table1_probe(study, out, echo=echo, arm=run.arm, threads=threads)
     paths = run_paths(out, run.arm, run.seed)
     if stage.checkpoints == "delete" and paths.ckpt.is_dir():
         shutil.rmtree(paths.ckpt)
@@ -70,36 +81,50 @@ def execute(study: Study, out: Path, run: planning.PlannedRun, *, echo=print) ->
 
 
 def run_staged(study: Study, out: Path, *, stages=(), arms=(), seeds=(), budget_minutes=None,
-               echo=print) -> list:
-    """Run the plan's runs that match the filters, in order, each only if it fits the budget;
-    returns the runs started, and says which were left and why."""
+               jobs: int = 1, echo=print) -> list:
+    """Run the plan's runs that match the filters, in order, each only if it fits the budget, up
+    to ``jobs`` at once (each with its share of the cores); returns the runs started, and says
+    which were left and why. After a run fails no other starts; those running finish, then the
+    failure is raised."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     deadline = None if budget_minutes is None else time.monotonic() + 60 * float(budget_minutes)
     left_out: dict = {}
-    started = []
-    while True:
-        plan = planning.make_plan(study, out)
-        chosen = None
-        for run in planning.select(plan, stages=stages, arms=arms, seeds=seeds):
-            if run.key in left_out:
+    started: list = []
+    running: dict = {}  # run key -> its future
+    failure = None
+    index_lock = threading.Lock() if jobs > 1 else None
+    echo_lock = threading.Lock()
+
+    def say(line: str) -> None:  # one line at a time from the runs' threads
+        with echo_lock:
+            echo(line)
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="study-run") as pool:
+        while True:
+            chosen = None
+            if failure is None and len(running) < jobs:
+                chosen = _next_run(study, out, stages, arms, seeds, deadline, left_out, running)
+            if chosen is not None:
+                run, seconds = chosen
+                started.append(run)
+                say(f"[{len(started)}] stage {run.stage}: {run.run_id} seed {run.seed} "
+                    f"(about {_minutes(seconds)})")
+                running[run.key] = pool.submit(execute, study, out, run, echo=say, jobs=jobs,
+                                               index_lock=index_lock)
                 continue
-            seconds = planning.estimate_seconds(study, out, plan, run)
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
-                if seconds is None:
-                    left_out[run.key] = "no estimate of its duration (give the stage minutes_per_run)"
-                    continue
-                if seconds > remaining:
-                    left_out[run.key] = f"about {_minutes(seconds)}, {_minutes(remaining)} left"
-                    continue
-            chosen = run
-            break
-        if chosen is None:
-            break
-        n = len(started) + 1
-        echo(f"[{n}] stage {chosen.stage}: {chosen.run_id} seed {chosen.seed} "
-             f"(about {_minutes(planning.estimate_seconds(study, out, plan, chosen))})")
-        execute(study, out, chosen, echo=echo)
-        started.append(chosen)
+            if not running:
+                break
+            finished, _ = wait(list(running.values()), return_when=FIRST_COMPLETED)
+            for key in [k for k, f in running.items() if f in finished]:
+                error = running.pop(key).exception()
+                if error is not None and failure is None:
+                    failure = error
+                    if running:
+                        say(f"  {key[1]} seed {key[2]} failed: no other run starts; waiting for "
+                            f"the {len(running)} running")
+    if failure is not None:
+        raise failure
     for (stage, rid, seed), why in left_out.items():
         echo(f"  left for a later invocation: {stage}/{rid} seed {seed}: {why}")
     waiting = [w for w in planning.make_plan(study, out).waiting
@@ -107,6 +132,26 @@ def run_staged(study: Study, out: Path, *, stages=(), arms=(), seeds=(), budget_
     for w in waiting:
         echo(f"  waiting: stage {w['stage']}: {w['arm']}: {w['why']}")
     return started
+
+
+def _next_run(study, out, stages, arms, seeds, deadline, left_out: dict, running: dict):
+    """(run, estimated seconds): the first run of the plan, read anew, that matches the filters,
+    is not running, and fits the budget (what does not is noted in ``left_out``); None when none."""
+    plan = planning.make_plan(study, out)
+    for run in planning.select(plan, stages=stages, arms=arms, seeds=seeds):
+        if run.key in left_out or run.key in running:
+            continue
+        seconds = planning.estimate_seconds(study, out, plan, run)
+        if deadline is not None:
+            remaining = deadline - time.monotonic()
+            if seconds is None:
+                left_out[run.key] = "no estimate of its duration (give the stage minutes_per_run)"
+                continue
+            if seconds > remaining:
+                left_out[run.key] = f"about {_minutes(seconds)}, {_minutes(remaining)} left"
+                continue
+        return run, seconds
+    return None
 
 
 def _stage_shape(study: Study, stage) -> dict:
