@@ -93,7 +93,7 @@ system-deps:
 # (pytest-xdist); then the distributed tests one at a time (each starts several processes, with
 # their own time-outs: two of them sharing the cores would only slow both), while a second pytest
 # runs the tests that mostly wait beside them (the Slurm tests, and those marked `waits`: a hung
-# or slow rank; about 35 CPU-s in 110 s, measured 2026-12-07), its output shown when both are
+# or slow rank; 24 CPU-s in 118 s, measured 2026-12-07), its output shown when both are
 # done. A pass that selects nothing (exit 5: PYTEST_ARGS naming one file, say) is not a failure.
 # To select by marker, run pytest itself.
 TEST_WORKERS ?= 2
