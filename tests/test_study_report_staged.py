@@ -166,6 +166,40 @@ def test_gap_rows_and_json_seeds():
     assert analyse(REPORT, back)["answers"][0]["mean"] == pytest.approx(-0.10)
 
 
+def test_an_answer_at_its_own_stage(tmp_path: Path):
+    """The width stage runs MoE and the arm compare picked: its answer is that pair at `width`."""
+    r = results()
+    width = dict([run("moe", {1: [4.0, 3.5], 2: [4.1, 3.6]}, lr=1e-3, steps=[500, 1000]),
+                  run("aoe_matched", {1: [4.1, 3.58], 2: [4.2, 3.70]}, lr=1e-3, steps=[500, 1000])])
+    r["stages"]["width"] = {"steps": 1000, "tokens_per_step": TPS, "runs": width, "best": {}}
+    spec = {**REPORT, "answers": REPORT["answers"] + [
+        {"key": "aoe_vs_moe_width", "question": "AoE vs MoE, wider", "stage": "width",
+         "arm": {"best_of": ["aoe", "aoe_matched"]}, "reference": "moe"}]}
+    doc = analyse(spec, r)
+    w = doc["answers"][-1]
+    # diffs 0.08, 0.10: mean 0.09, std sqrt(2) * 0.01, t_{0.975, 1} = 12.706
+    assert w["stage"] == "width" and w["arm_resolved"] == "aoe_matched" and w["n"] == 2
+    assert w["mean"] == pytest.approx(0.09)
+    assert w["ci_high"] - w["mean"] == pytest.approx(12.706205 * 0.01, rel=1e-5)
+    assert doc["answers"][2]["stage"] == "compare" and doc["answers"][2]["arm_resolved"] == "aoe"
+    study = SimpleNamespace(name="v2", description="", data="d", report=spec, quick=False)
+    write_staged_report(study, tmp_path, r, wall_seconds=1.0, command="c")
+    line = next(x for x in (tmp_path / "report.md").read_text().splitlines() if "wider" in x)
+    assert ", stage `width`)" in line and "`aoe_matched` is the one of them run at `width`" in line
+
+
+def test_an_answer_at_an_unknown_stage_is_refused():
+    import yaml
+
+    from aoe_megatron.study.spec import SpecError, load_study, spec_path, study_from_dict
+
+    raw = yaml.safe_load(spec_path("v2").read_text())
+    raw["report"]["answers"][0]["stage"] = "widht"
+    with pytest.raises(SpecError, match="widht"):
+        study_from_dict(raw)
+    assert [a.get("stage") for a in load_study("v2").report["answers"]].count("width") == 1
+
+
 @pytest.mark.parametrize("shape,params,fractions", [
     (dict(d=128, heads=4, ffn=256, low=42), 3.67e6, {"moe_blocks": 0.55, "output_layer": 0.18, "attention": 0.27}),
     (dict(d=256, heads=8, ffn=512, low=85), 14.2e6, {"moe_blocks": 0.63}),

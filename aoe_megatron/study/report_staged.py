@@ -31,7 +31,8 @@ def analyse(report: dict, results: dict) -> dict:
     at = report.get("stage")
     out = {"answers": [], "sanity": None, "reach": [], "gap": [], "sweep": None}
     for a in _listed(report.get("answers")):
-        c = answers.contrast(stages.get(at), at, a["arm"], a["reference"], missing=missing)
+        st = a.get("stage", at)  # an answer may name its own stage (the width stage's gap)
+        c = answers.contrast(stages.get(st), st, a["arm"], a["reference"], missing=missing)
         out["answers"].append({"key": a.get("key"), "question": a.get("question", a.get("key")), **c})
     if report.get("sanity"):
         s = report["sanity"]

@@ -208,6 +208,13 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
                                   seeds=tuple(int(s) for s in raw["seeds"]), source=source)
         except StageError as err:
             raise SpecError(str(err)) from None
+    report = raw.get("report") or {}
+    names_of_stages = sorted(s.name for s in stages)
+    for answer in report.get("answers") or []:
+        at = answer.get("stage", report.get("stage"))
+        if stages and not quick and at not in names_of_stages:  # quick specs may drop a stage
+            raise SpecError(f"{source}: report answer {answer.get('key')!r} is at stage {at!r}, "
+                            f"not one of {names_of_stages}")
     seeds = tuple(int(s) for s in raw["seeds"])
     if len(set(seeds)) != len(seeds):
         raise SpecError(f"{source}: seeds repeat: {list(seeds)}")
@@ -259,4 +266,4 @@ def study_from_dict(raw: dict, *, quick: bool = False, source: str = "<dict>") -
                  seeds=seeds, baseline=baseline, arms=tuple(arms), table1=table1, compare_to=compare_to,
                  evaluation=raw.get("evaluation") or {}, probe=probe,
                  description=str(raw.get("description", "")), quick=quick, stages=stages,
-                 report=raw.get("report") or {})
+                 report=report)

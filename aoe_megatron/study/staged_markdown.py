@@ -32,6 +32,9 @@ def _settings(overrides: dict) -> str:
 def _chosen_note(a: dict) -> str:
     if not a["arm"].startswith("best of "):
         return ""
+    ran = [k for k, v in a.get("candidates", {}).items() if v is not None]
+    if len(ran) == 1:  # a later stage runs only the arm an earlier stage picked
+        return f" The arm is {a['arm']}: `{ran[0]}` is the one of them run at `{a['stage']}`."
     means = ", ".join(f"`{k}` {_f(v)}" for k, v in a.get("candidates", {}).items())
     return (f" The arm is {a['arm']} at `{a['stage']}`: `{a['arm_resolved']}` (mean final held-out "
             f"loss {means}; picked on the same seeds it is compared on, which favours it slightly).")
@@ -46,7 +49,8 @@ def answers_section(doc: dict) -> list:
              "mean over the seeds both finished, with the Student-t 95% interval and the paired "
              "t-test p; below 0: the arm reaches the lower loss.", ""]
     for a in rows:
-        head = f"- **{a['question']}** (`{a['arm']}` − `{a['reference']}`)"
+        at = "" if a["stage"] == rows[0]["stage"] else f", stage `{a['stage']}`"
+        head = f"- **{a['question']}** (`{a['arm']}` − `{a['reference']}`{at})"
         if a["status"] != "ok":
             lines.append(f"{head}: {a['status']}: {a['why']}.")
             continue
